@@ -1,0 +1,76 @@
+"""Grouped-query attention with RoPE, optional QK-norm and a KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moeforge.config import ModelConfig
+from moeforge.model.layers import RMSNorm, apply_rope
+
+
+@dataclass
+class KVCache:
+    """Keys and values of earlier positions, one entry per layer (generation only)."""
+
+    keys: list[Tensor | None] = field(default_factory=list)
+    values: list[Tensor | None] = field(default_factory=list)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k, v: (B, Hkv, T, hd)`` for ``layer``; return the full keys and values."""
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        old_k, old_v = self.keys[layer], self.values[layer]
+        if old_k is not None and old_v is not None:
+            k = torch.cat([old_k, k], dim=2)
+            v = torch.cat([old_v, v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class Attention(nn.Module):
+    """Causal GQA. ``qk_norm``: 'full' normalises the whole projection (OLMoE), 'per_head' each head (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.dim_head
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=False)
+        self.qk_norm = cfg.qk_norm
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(self.n_heads * self.hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.n_kv * self.hd, cfg.norm_eps)
+        elif cfg.qk_norm == "per_head":
+            self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
+        q = q.view(B, T, self.n_heads, self.hd)
+        k = k.view(B, T, self.n_kv, self.hd)
+        v = v.view(B, T, self.n_kv, self.hd)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        causal = T > 1 and k.shape[2] == T
+        if T > 1 and not causal:
+            raise ValueError("prefill into a non-empty KV cache is not supported; feed one token at a time")
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=self.n_kv != self.n_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))

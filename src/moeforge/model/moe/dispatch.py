@@ -1,0 +1,76 @@
+"""How routed tokens reach the experts and come back.
+
+A dispatcher turns ``(x, indices, weights)`` into rows grouped by local
+expert plus int32 offsets (``dispatch``), and expert outputs back into token
+order, weighted and summed over the top-k routes (``combine``). The local
+dispatcher is the reference that every distributed dispatcher must match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DispatchStats:
+    """Per-layer load numbers that the balance metrics report (detached tensors)."""
+
+    dropped_routes: Tensor | None = None
+    capacity_rows: int = 0
+    tokens_per_rank: Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Dispatcher:
+    """Interface: ``dispatch`` then ``combine``; ``stats`` describes the last call."""
+
+    num_local_experts: int
+    stats: DispatchStats
+
+    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Any]:
+        """Return ``(rows grouped by local expert, int32 cumulative offsets, state for combine)``."""
+        raise NotImplementedError
+
+    def combine(self, y: Tensor, state: Any) -> Tensor:
+        """Return ``(N, D)`` outputs in token order, weighted by routing weight."""
+        raise NotImplementedError
+
+
+def sort_routes(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """Stable order of the flattened routes by expert, and per-expert route counts."""
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+def weighted_unpermute(y_sorted: Tensor, order: Tensor, weights: Tensor) -> Tensor:
+    """Undo ``order`` on ``(N*k, D)`` rows and sum the k routes of each token, weighted (deterministic)."""
+    n, k = weights.shape
+    routes = torch.empty_like(y_sorted)
+    routes[order] = y_sorted
+    routes = routes.view(n, k, -1) * weights.to(routes.dtype)[..., None]
+    return routes.sum(dim=1)
+
+
+class LocalDispatcher(Dispatcher):
+    """All experts on this rank: stable sort by expert, gather rows, weighted scatter back."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_local_experts = num_experts
+        self.stats = DispatchStats()
+
+    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Any]:
+        order, counts = sort_routes(indices, self.num_local_experts)
+        rows = x[order // indices.shape[1]]
+        offsets = counts.cumsum(0).to(torch.int32)
+        self.stats = DispatchStats(tokens_per_rank=counts.sum().reshape(1).float())
+        return rows, offsets, (order, weights)
+
+    def combine(self, y: Tensor, state: Any) -> Tensor:
+        order, weights = state
+        return weighted_unpermute(y, order, weights)

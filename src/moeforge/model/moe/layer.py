@@ -1,0 +1,36 @@
+"""MoELayer = router + dispatcher + grouped experts (+ optional shared expert)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from moeforge.config import MoEConfig
+from moeforge.model.layers import SwiGLU
+from moeforge.model.moe.dispatch import Dispatcher, LocalDispatcher
+from moeforge.model.moe.experts import GroupedExperts
+from moeforge.model.moe.router import RouterOutput, TopKRouter
+
+
+class MoELayer(nn.Module):
+    """Sparse feed-forward. After each forward, ``last_routing`` holds the routing outputs
+    (losses with their graph, counts detached) for the trainer's loss and metrics."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig, layer_idx: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = TopKRouter(d_model, cfg, layer_idx, seed)
+        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.expert_impl)
+        self.shared_expert = SwiGLU(d_model, cfg.shared_expert_hidden) if cfg.shared_expert_hidden else None
+        self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
+        self.last_routing: RouterOutput | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.router(flat)
+        self.last_routing = routing
+        rows, offsets, state = self.dispatcher.dispatch(flat, routing.indices, routing.weights)
+        out = self.dispatcher.combine(self.experts(rows, offsets), state).to(x.dtype)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.view(shape)

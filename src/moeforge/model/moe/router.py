@@ -1,0 +1,106 @@
+"""Top-k token router.
+
+Scores come from a linear gate, computed in fp32 (softmax or sigmoid). The
+router picks ``top_k`` experts per token, optionally within the best
+``topk_groups`` of ``n_groups`` expert groups, optionally renormalises the
+chosen weights, and computes the auxiliary load-balancing loss
+``E * sum_i f_i * P_i`` and the router z-loss ``mean(logsumexp(logits)^2)``.
+
+Auxiliary-loss-free balancing keeps a per-expert ``expert_bias`` that is added
+to the scores for selection only; :meth:`TopKRouter.update_bias` moves it after
+each optimizer step from that step's token counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moeforge.config import MoEConfig
+
+
+@dataclass
+class RouterOutput:
+    """What the router decides for ``N`` tokens."""
+
+    indices: Tensor  # (N, k) int64 expert ids
+    weights: Tensor  # (N, k) fp32 combine weights
+    aux_loss: Tensor  # scalar, unscaled
+    z_loss: Tensor  # scalar, unscaled
+    tokens_per_expert: Tensor  # (E,) routes per expert (detached, float)
+
+
+class TopKRouter(nn.Module):
+    """Linear gate + top-k selection + balancing losses."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig, layer_idx: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
+        self.register_buffer("load_accum", torch.zeros(cfg.num_experts), persistent=False)
+        self.random_seed = seed * 1000 + layer_idx
+        self._generator: torch.Generator | None = None
+
+    def _select(self, scores: Tensor) -> Tensor:
+        """Indices of the chosen experts ``(N, k)`` from fp32 scores (bias used here only)."""
+        biased = scores + self.expert_bias if self.cfg.bias_update_rate > 0 else scores
+        if self.cfg.n_groups > 1:
+            n, e = biased.shape
+            grouped = biased.view(n, self.cfg.n_groups, e // self.cfg.n_groups)
+            group_scores = grouped.max(dim=-1).values
+            keep = torch.topk(group_scores, self.cfg.topk_groups, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            biased = grouped.masked_fill(~mask[..., None], float("-inf")).view(n, e)
+        return torch.topk(biased, self.top_k, dim=-1, sorted=True).indices
+
+    def _random_indices(self, n: int, device: torch.device) -> Tensor:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.random_seed)
+        noise = torch.rand(n, self.num_experts, generator=self._generator, device=device)
+        return torch.topk(noise, self.top_k, dim=-1).indices
+
+    def forward(self, x: Tensor) -> RouterOutput:
+        """Route ``x: (N, D)``."""
+        if self.training and self.cfg.jitter_eps > 0:
+            x = x * torch.empty_like(x).uniform_(1 - self.cfg.jitter_eps, 1 + self.cfg.jitter_eps)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        if self.cfg.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+            probs = scores
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        if self.cfg.random_routing:
+            indices = self._random_indices(x.shape[0], x.device)
+        else:
+            indices = self._select(scores.detach())
+        weights = scores.gather(1, indices)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
+        counts.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=x.device))
+        n_routes = max(indices.numel(), 1)
+        aux = self.num_experts * (counts / n_routes * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean() if x.shape[0] else logits.sum()
+        if self.training:
+            self.load_accum += counts
+        return RouterOutput(indices, weights, aux, z, counts)
+
+    @torch.no_grad()
+    def update_bias(self, counts: Tensor | None = None) -> None:
+        """Auxiliary-loss-free balancing: raise under-loaded experts' bias, lower over-loaded ones'.
+
+        ``counts`` defaults to the routes accumulated since the last call (the
+        trainer all-reduces them over data-parallel ranks first).
+        """
+        counts = self.load_accum if counts is None else counts
+        if self.cfg.bias_update_rate > 0:
+            self.expert_bias += self.cfg.bias_update_rate * torch.sign(counts.mean() - counts)
+        self.load_accum.zero_()

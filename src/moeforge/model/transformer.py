@@ -1,0 +1,114 @@
+"""MoETransformer: embed -> blocks (attention, MoE or dense FFN) -> norm -> lm_head."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from moeforge.config import ModelConfig
+from moeforge.model.attention import Attention, KVCache
+from moeforge.model.layers import RMSNorm, SwiGLU, rope_tables
+from moeforge.model.moe.layer import MoELayer
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)); x + ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, seed: int = 0) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.is_moe = layer_idx not in cfg.dense_layers
+        self.mlp: nn.Module = (
+            MoELayer(cfg.d_model, cfg.moe, layer_idx, seed)
+            if self.is_moe
+            else SwiGLU(cfg.d_model, cfg.dense_hidden)
+        )
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoETransformer(nn.Module):
+    """Decoder-only MoE language model; ``forward(input_ids)`` returns logits ``(B, T, V)``."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (> 0) before building the model")
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i, seed) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, cache: KVCache | None = None, start_pos: int = 0) -> Tensor:
+        T = input_ids.shape[1]
+        positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
+        cos, sin = rope_tables(self.cfg.dim_head, positions, self.cfg.rope_theta)
+        h = self.embed_tokens(input_ids)
+        for block in self.layers:
+            h = block(h, cos, sin, cache)
+        return self.lm_head(self.norm(h))
+
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE feed-forward modules, in layer order."""
+        return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) everywhere; output projections scaled by 1/sqrt(2 * n_layers); norms to 1."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
+                p.normal_(0.0, out_std, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+        for m in self.moe_layers():
+            m.router.expert_bias.zero_()
+
+
+def count_params(model: MoETransformer) -> dict[str, int]:
+    """Total and active (per token) parameter counts, with and without embeddings."""
+    cfg = model.cfg
+    total = embed = expert = 0
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        total += n
+        if name.startswith(("embed_tokens", "lm_head")):
+            embed += n
+        if "experts.w" in name:
+            expert += n
+    frac = cfg.moe.top_k / cfg.moe.num_experts
+    active = total - expert + int(round(expert * frac))
+    return {
+        "total": total,
+        "active": active,
+        "embedding": embed,
+        "total_non_embedding": total - embed,
+        "active_non_embedding": active - embed,
+    }
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> MoETransformer:
+    """Build and initialise a model from its config (``device='meta'`` allocates nothing)."""
+    with torch.device(device):
+        model = MoETransformer(cfg, seed)
+    if str(device) != "meta":
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+        model.init_weights(g)
+    return model
