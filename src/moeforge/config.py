@@ -378,6 +378,14 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _check(getattr(moe, name) >= 0, f"model.moe.{name}", "must be >= 0")
     _check(moe.capacity_factor > 0, "model.moe.capacity_factor", "must be > 0")
     _check(moe.shared_expert_hidden >= 0, "model.moe.shared_expert_hidden", "must be >= 0")
+    if moe.expert_impl == "grouped" and cfg.train.precision == "bf16":
+        for name, value in (("model.d_model", m.d_model), ("model.moe.expert_hidden", moe.expert_hidden)):
+            _check(
+                value % 8 == 0,
+                name,
+                f"the bf16 grouped-GEMM path needs a multiple of 8, got {value}; "
+                "change it or set model.moe.expert_impl=loop",
+            )
 
     d = cfg.data
     _check(d.seq_len > 0, "data.seq_len", f"must be > 0, got {d.seq_len}")

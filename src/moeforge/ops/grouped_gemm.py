@@ -28,7 +28,7 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         x, w, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
+        grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offsets)

@@ -53,7 +53,7 @@ def weighted_unpermute(y_sorted: Tensor, order: Tensor, weights: Tensor) -> Tens
     n, k = weights.shape
     routes = torch.empty_like(y_sorted)
     routes[order] = y_sorted
-    routes = routes.view(n, k, -1) * weights.to(routes.dtype)[..., None]
+    routes = routes.view(n, k, y_sorted.shape[-1]) * weights.to(routes.dtype)[..., None]
     return routes.sum(dim=1)
 
 

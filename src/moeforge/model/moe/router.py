@@ -42,7 +42,6 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
-        self.register_buffer("load_accum", torch.zeros(cfg.num_experts), persistent=False)
         self.random_seed = seed * 1000 + layer_idx
         self._generator: torch.Generator | None = None
 
@@ -89,18 +88,14 @@ class TopKRouter(nn.Module):
         n_routes = max(indices.numel(), 1)
         aux = self.num_experts * (counts / n_routes * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean() if x.shape[0] else logits.sum()
-        if self.training:
-            self.load_accum += counts
         return RouterOutput(indices, weights, aux, z, counts)
 
     @torch.no_grad()
-    def update_bias(self, counts: Tensor | None = None) -> None:
+    def update_bias(self, counts: Tensor) -> None:
         """Auxiliary-loss-free balancing: raise under-loaded experts' bias, lower over-loaded ones'.
 
-        ``counts`` defaults to the routes accumulated since the last call (the
-        trainer all-reduces them over data-parallel ranks first).
+        ``counts`` are the routes per expert of the whole optimizer step (the
+        trainer sums them over micro-batches and data-parallel ranks first).
         """
-        counts = self.load_accum if counts is None else counts
         if self.cfg.bias_update_rate > 0:
             self.expert_bias += self.cfg.bias_update_rate * torch.sign(counts.mean() - counts)
-        self.load_accum.zero_()

@@ -1,0 +1,5 @@
+"""``python -m moeforge``."""
+
+from moeforge.cli import entry
+
+entry()

@@ -1,0 +1,317 @@
+"""``moeforge plan``: parameters, FLOPs, per-rank memory and communication for every layout.
+
+The model is built on the meta device (shapes only, nothing allocated) to
+count parameters. For each stack and valid layout the plan estimates, per
+rank: weights, gradients, optimizer state and activations, the bytes each
+rank sends per optimizer step, and whether that fits in device memory. The
+formulas are in ``docs/flops.md``; in short (P parameters, b_w/b_g bytes per
+weight/gradient, 2 in bf16 and 4 in fp32; b_o optimizer bytes per parameter,
+fp32 master 4 in bf16 only + two fp32 Adam moments 8):
+
+- fsdp (ep=1, dp=N): weights ``P b_w / N`` plus two unsharded blocks (current +
+  prefetched), gradients ``P b_g / N`` plus one unsharded block, optimizer
+  ``P b_o / N``. Each micro-batch all-gathers the weights twice (forward, and
+  again in backward after resharding) and reduce-scatters the gradients.
+- ddp (+ep): dense weights replicated, experts split over ep; gradients the
+  same size; the distributed optimizer shards dense state over the N ranks and
+  each expert's state over its N/ep expert-data-parallel ranks. Per micro-batch
+  four all-to-alls per MoE layer (dispatch and combine, forward and backward);
+  per step one gradient reduce-scatter and one weight all-gather per group.
+
+Collective volumes are what one rank sends with ring/pairwise algorithms:
+all-gather and reduce-scatter ``(g-1)/g * S``, all-to-all ``(g-1)/g`` of the
+rank's buffer. Not counted: CUDA context, NCCL buffers, allocator
+fragmentation (a few GB on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moeforge.bench.devices import DEVICES, GB, get_device
+from moeforge.bench.flops import flops_per_token, param_counts
+from moeforge.config import Config, ConfigError, load_config
+from moeforge.model import build_model, count_params
+
+ROUTER_FP32_COPIES = 2  # router logits and scores, kept in fp32 for backward
+
+
+@dataclass
+class LayoutPlan:
+    """Per-rank estimate for one (stack, ep, dp) layout. Byte counts are floats (decimal GB / 1e9)."""
+
+    stack: str
+    ep: int
+    dp: int
+    memory: dict[str, float]
+    comm_bytes: dict[str, float]
+    fits: bool
+    fits_without_checkpointing: bool
+    fits_with_checkpointing: bool
+
+
+def meta_param_stats(cfg: Config) -> dict[str, int]:
+    """Build the model on the meta device and count: totals, experts, and the largest block."""
+    model = build_model(cfg.model, device="meta")
+    counts = count_params(model)
+    expert = sum(p.numel() for n, p in model.named_parameters() if "experts.w" in n)
+    largest_block = max(sum(p.numel() for p in block.parameters()) for block in model.layers)
+    return {**counts, "expert": expert, "dense": counts["total"] - expert, "largest_block": largest_block}
+
+
+def _route_factor(cfg: Config) -> float:
+    """Rowwise dispatch sizes its buffers by the capacity factor; dropless by the routes."""
+    return cfg.model.moe.capacity_factor if cfg.model.moe.dispatcher == "rowwise" else 1.0
+
+
+def activation_bytes(cfg: Config) -> dict[str, float]:
+    """Activation memory of one micro-batch, without and with full activation checkpointing.
+
+    Elements kept per token (times the activation bytes, 2 in bf16, 4 in fp32):
+
+    - attention block: ``2 d`` (norm in/out) + ``(H + 2 Hkv) hd`` (q, k, v)
+      + ``(H + Hkv) hd`` (q, k after QK-norm/RoPE) + ``H hd`` (attention output);
+    - MoE block: ``2 d`` (norm in/out) + ``r k d`` (dispatched rows) + ``4 r k F``
+      (gate, up, silu(gate), product) + ``r k d`` (expert outputs before combine)
+      + ``4 F_shared``, plus ``2 E`` fp32 router logits/scores (``r`` = capacity factor
+      for rowwise dispatch, else 1);
+    - dense FFN block: ``2 d + 4 F_dense``;
+    - after the blocks: ``2 d`` (final norm) + ``V`` logits in the activation dtype
+      and ``V`` in fp32 for the cross-entropy.
+
+    With checkpointing each block keeps only its input (``d``) and one block at a time
+    is recomputed during backward, so the peak is the inputs plus the largest block.
+    """
+    m, moe = cfg.model, cfg.model.moe
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    a = 2 if cfg.train.precision == "bf16" else 4
+    d, h, kv, hd = m.d_model, m.n_heads, m.kv_heads, m.dim_head
+    r, k, f = _route_factor(cfg), moe.top_k, moe.expert_hidden
+    attn = a * (2 * d + (3 * h + 3 * kv) * hd)
+    moe_ffn = a * (2 * d + 2 * r * k * d + 4 * r * k * f + 4 * moe.shared_expert_hidden)
+    moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts
+    dense_ffn = a * (2 * d + 4 * m.dense_hidden)
+    n_dense = len(set(m.dense_layers))
+    n_moe = m.n_layers - n_dense
+    per_layer_max = attn + (moe_ffn if n_moe else dense_ffn)
+    head = a * 2 * d + (a + 4) * m.vocab_size
+    full = tokens * (n_moe * (attn + moe_ffn) + n_dense * (attn + dense_ffn) + head)
+    checkpointed = tokens * (m.n_layers * a * d + per_layer_max + head)
+    return {"full": float(full), "checkpointed": float(checkpointed)}
+
+
+def _gather(size: float, group: int) -> float:
+    """Bytes one rank sends in an all-gather / reduce-scatter / all-to-all of ``size`` over ``group``."""
+    return size * (group - 1) / group
+
+
+def grad_accum_steps(cfg: Config, dp: int) -> int:
+    """Micro-batches per optimizer step on each rank (at least 1)."""
+    return max(1, math.ceil(cfg.train.global_batch_size / (cfg.train.micro_batch_size * dp)))
+
+
+def plan_layout(
+    cfg: Config, stats: dict[str, int], stack: str, ep: int, world: int, mem_bytes: float
+) -> LayoutPlan:
+    """Memory and communication of one layout (``stack`` 'fsdp' or 'ddp', dp = world)."""
+    bf16 = cfg.train.precision == "bf16"
+    b_w = b_g = 2 if bf16 else 4
+    b_o = (4 if bf16 else 0) + 8
+    total, expert, dense = stats["total"], stats["expert"], stats["dense"]
+    dp, edp = world, world // ep
+    ga = grad_accum_steps(cfg, dp)
+    act = activation_bytes(cfg)
+    comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0}
+    if stack == "fsdp":
+        block = stats["largest_block"]
+        weights = total * b_w / world + (2 * block * b_w if world > 1 else 0)
+        grads = total * b_g / world + (block * b_g if world > 1 else 0)
+        optim = total * b_o / world
+        comm["all_gather"] = ga * 2 * _gather(total * b_w, world)
+        comm["reduce_scatter"] = ga * _gather(total * b_g, world)
+    else:
+        local = dense + expert / ep
+        weights, grads = local * b_w, local * b_g
+        optim = dense * b_o / dp + (expert / ep) * b_o / edp
+        comm["reduce_scatter"] = _gather(dense * b_g, dp) + _gather(expert / ep * b_g, edp)
+        comm["all_gather"] = _gather(dense * b_w, dp) + _gather(expert / ep * b_w, edp)
+        a = 2 if bf16 else 4
+        tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+        moe = cfg.model.moe
+        rows = tokens * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
+        comm["all_to_all"] = ga * stats["moe_layers"] * 4 * _gather(rows, ep)
+    comm["total"] = sum(comm.values())
+    states = weights + grads + optim
+    memory = {
+        "weights": float(weights),
+        "gradients": float(grads),
+        "optimizer": float(optim),
+        "activations": act["full"],
+        "activations_checkpointed": act["checkpointed"],
+        "total": states + act["full"],
+        "total_checkpointed": states + act["checkpointed"],
+    }
+    fits_full = memory["total"] <= mem_bytes
+    fits_ac = memory["total_checkpointed"] <= mem_bytes
+    return LayoutPlan(stack, ep, dp, memory, comm, fits_full or fits_ac, fits_full, fits_ac)
+
+
+def valid_layouts(cfg: Config, world: int) -> list[tuple[str, int]]:
+    """(stack, ep) pairs: fsdp with ep=1, ddp with every ep dividing num_experts and the world."""
+    experts = cfg.model.moe.num_experts
+    eps = [ep for ep in range(1, min(experts, world) + 1) if experts % ep == 0 and world % ep == 0]
+    return [("fsdp", 1)] + [("ddp", ep) for ep in eps]
+
+
+def _host_memory_bytes() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | None = None) -> dict[str, Any]:
+    """The whole plan as a JSON-ready dict (``params_total``, ``params_active``, ``flops_per_token``,
+    ``layouts``, ...). ``mem_gb`` overrides the device's memory (decimal GB)."""
+    if world < 1:
+        raise ConfigError(f"--world: must be >= 1, got {world}")
+    if mem_gb is not None and mem_gb <= 0:
+        raise ConfigError(f"--mem-gb: must be > 0, got {mem_gb}")
+    if cfg.model.vocab_size <= 0:
+        raise ConfigError(
+            "model.vocab_size: plan needs it set (> 0) in the config, e.g. model.vocab_size: 50304"
+        )
+    spec = get_device(device)
+    if mem_gb is not None:
+        mem_bytes = mem_gb * GB
+    elif spec.memory_bytes is not None:
+        mem_bytes = spec.memory_bytes
+    else:
+        mem_bytes = _host_memory_bytes()
+    stats = meta_param_stats(cfg)
+    stats["moe_layers"] = param_counts(cfg.model)["moe_layers"]
+    seq = cfg.data.seq_len
+    layouts = [
+        plan_layout(cfg, stats, stack, ep, world, mem_bytes) for stack, ep in valid_layouts(cfg, world)
+    ]
+    return {
+        "world": world,
+        "device": spec.name,
+        "device_memory_bytes": mem_bytes,
+        "peak_tflops_bf16_dense": spec.bf16_dense_tflops,
+        "precision": cfg.train.precision,
+        "seq_len": seq,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "global_batch_size": cfg.train.global_batch_size,
+        "params_total": stats["total"],
+        "params_active": stats["active"],
+        "params_embedding": stats["embedding"],
+        "params_expert": stats["expert"],
+        "params_dense": stats["dense"],
+        "flops_per_token": flops_per_token(cfg.model, seq),
+        "layouts": [asdict(lp) | {"grad_accum_steps": grad_accum_steps(cfg, lp.dp)} for lp in layouts],
+    }
+
+
+def _gb(x: float) -> str:
+    v = x / GB
+    return f"{v:.1f}" if v < 1e5 else f"{v:.3g}"
+
+
+def _fits_label(layout: dict[str, Any]) -> str:
+    if layout["fits_without_checkpointing"]:
+        return "yes"
+    return "with AC" if layout["fits_with_checkpointing"] else "no"
+
+
+def format_plan(plan: dict[str, Any], config_name: str = "") -> str:
+    """Human-readable table of a plan from :func:`make_plan`."""
+    peak = plan["peak_tflops_bf16_dense"]
+    peak_txt = f", {peak:g} TFLOP/s bf16 dense" if peak else ""
+    lines = [
+        f"plan {config_name}: world {plan['world']}, device {plan['device']} "
+        f"({plan['device_memory_bytes'] / GB:.0f} GB{peak_txt})",
+        f"parameters: total {plan['params_total'] / 1e9:.2f}B (experts {plan['params_expert'] / 1e9:.2f}B, "
+        f"dense {plan['params_dense'] / 1e9:.2f}B, embeddings {plan['params_embedding'] / 1e9:.2f}B), "
+        f"active {plan['params_active'] / 1e9:.2f}B per token",
+        f"FLOPs per token (training, seq {plan['seq_len']}): {plan['flops_per_token']:.4g}",
+        f"micro batch {plan['micro_batch_size']} x {plan['seq_len']} tokens, global batch "
+        f"{plan['global_batch_size']} sequences, precision {plan['precision']}",
+        "memory per rank in GB; comm = GB each rank sends per optimizer step; AC = activation checkpointing",
+        "",
+    ]
+    cols = ("weights", "grads", "optim", "act", "act AC", "total", "total AC", "a2a", "AG+RS")
+    header = f"{'stack':<7}{'ep':>5}{'dp':>6}" + "".join(f"{c:>10}" for c in cols) + "  fits"
+    lines.append(header)
+    lines.append("-" * len(header))
+    for lay in plan["layouts"]:
+        mem, comm = lay["memory"], lay["comm_bytes"]
+        stack = "fsdp" if lay["stack"] == "fsdp" else ("ddp" if lay["ep"] == 1 else "ddp+ep")
+        values = (
+            mem["weights"],
+            mem["gradients"],
+            mem["optimizer"],
+            mem["activations"],
+            mem["activations_checkpointed"],
+            mem["total"],
+            mem["total_checkpointed"],
+            comm["all_to_all"],
+            comm["all_gather"] + comm["reduce_scatter"],
+        )
+        lines.append(
+            f"{stack:<7}{lay['ep']:>5}{lay['dp']:>6}"
+            + "".join(f"{_gb(v):>10}" for v in values)
+            + f"  {_fits_label(lay)}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``moeforge plan``."""
+    parser.add_argument("config", help="YAML config (e.g. configs/presets/moe-47b.yaml)")
+    parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    parser.add_argument(
+        "--device", default="h200", choices=sorted(DEVICES), help="device for memory size and peak"
+    )
+    parser.add_argument("--mem-gb", type=float, default=None, help="device memory in GB (overrides --device)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set train.micro_batch_size=2 (repeatable)",
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``moeforge plan``: write the table (or JSON) to stdout; 0 on success, 2 on a config error."""
+    overrides = [f"--{item}" for item in getattr(args, "set", []) or []]
+    overrides += list(getattr(args, "overrides", []) or [])
+    try:
+        cfg = load_config(args.config, overrides)
+        plan = make_plan(cfg, args.world, args.device, args.mem_gb)
+    except (ConfigError, ValueError) as e:
+        sys.stderr.write(f"moeforge plan: {e}\n")
+        return 2
+    if args.json:
+        sys.stdout.write(json.dumps(plan, indent=2) + "\n")
+    else:
+        sys.stdout.write(format_plan(plan, str(args.config)))
+    return 0
+
+
+__all__ = [
+    "LayoutPlan",
+    "activation_bytes",
+    "add_plan_arguments",
+    "format_plan",
+    "make_plan",
+    "meta_param_stats",
+    "plan_layout",
+    "run_plan",
+    "valid_layouts",
+]

@@ -1,0 +1,203 @@
+"""``prepare_data``: documents -> tokenizer -> flat token memmaps + ``meta.json``.
+
+Output in ``cfg.data_dir``::
+
+    tokenizer.json   the tokenizer (trained byte-level BPE, or a copy of the user's)
+    train.bin        token ids of the training documents, EOS after each, uint16 or uint32
+    val.bin          the same for the validation documents
+    meta.json        written last: its presence means the directory is complete
+
+Preparation is idempotent (a directory whose ``meta.json`` matches the sources
+and settings is reused without work) and atomic (temp files, then renames,
+``meta.json`` last; a stale ``meta.json`` is removed before anything else
+changes), so a killed prepare never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from moeforge.config import DataConfig
+from moeforge.data.corpus import (
+    DataError,
+    Document,
+    embedded_corpus_files,
+    read_documents,
+    sources_fingerprint,
+)
+from moeforge.data.meta import META_FILE, DataMeta, SplitStats, load_meta, write_meta
+from moeforge.data.tokenizer import Tokenizer, train_bpe
+
+logger = logging.getLogger(__name__)
+
+SPLIT_SEED = 1234
+TOKENIZER_FILE = "tokenizer.json"
+_ENCODE_CHUNK = 64  # documents per encode_batch call
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 for vocabularies below 65,536 ids, else uint32."""
+    return np.dtype(np.uint16 if vocab_size < 65536 else np.uint32)
+
+
+def split_documents(n_docs: int, val_fraction: float, seed: int = SPLIT_SEED) -> list[int]:
+    """Sorted indices of the validation documents.
+
+    ``round(val_fraction * n_docs)`` of them, at least 1 and leaving at least 1
+    for training, chosen by a seeded shuffle that is stable across Python versions.
+    """
+    if n_docs < 2:
+        raise ValueError(f"need at least 2 documents to split, got {n_docs}")
+    n_val = min(max(1, round(val_fraction * n_docs)), n_docs - 1)
+    return sorted(random.Random(seed).sample(range(n_docs), n_val))
+
+
+def _tokenizer_key(cfg: DataConfig) -> str:
+    if not cfg.tokenizer:
+        return f"bpe:{cfg.bpe_vocab_size}"
+    path = Path(cfg.tokenizer)
+    if not path.is_file():
+        raise DataError(
+            f"{path}: tokenizer file not found; fix data.tokenizer or leave it empty to train one"
+        )
+    return "file:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _reusable(data_dir: Path, fingerprint: str, tokenizer_key: str, val_fraction: float) -> DataMeta | None:
+    if not (data_dir / META_FILE).is_file():
+        return None
+    try:
+        meta = load_meta(data_dir)
+    except DataError as e:
+        logger.info("preparing again: %s", e)
+        return None
+    found = (meta.sources_fingerprint, meta.tokenizer_key, meta.val_fraction, meta.split_seed)
+    if found != (fingerprint, tokenizer_key, val_fraction, SPLIT_SEED):
+        logger.info("preparing again: sources or data settings changed since %s was written", META_FILE)
+        return None
+    return meta
+
+
+def _write_split(docs: Sequence[Document], tokenizer: Tokenizer, dtype: np.dtype, path: Path) -> SplitStats:
+    """Encode ``docs`` into the flat memmap file ``path`` (EOS after each); return its counts."""
+    vocab, eos = tokenizer.vocab_size, tokenizer.eos_id
+    n_tokens = n_bytes = 0
+    with path.open("wb") as f:
+        for start in range(0, len(docs), _ENCODE_CHUNK):
+            chunk = docs[start : start + _ENCODE_CHUNK]
+            for doc, ids in zip(chunk, tokenizer.encode_batch([d.text for d in chunk])):
+                arr = np.asarray(ids, dtype=np.int64)
+                if arr.size and int(arr.max()) >= vocab:
+                    raise DataError(
+                        f"{doc.origin}: tokenizer {tokenizer.source} produced token id {int(arr.max())} "
+                        f">= its vocab size {vocab} (its ids are not contiguous); "
+                        "use a tokenizer whose ids run from 0 to vocab size - 1"
+                    )
+                arr = np.append(arr, eos).astype(dtype)
+                f.write(arr.tobytes())
+                n_tokens += arr.size
+                n_bytes += len(doc.text.encode("utf-8"))
+    return SplitStats(documents=len(docs), tokens=n_tokens, bytes=n_bytes)
+
+
+def _load_tokenizer(cfg: DataConfig, train_docs: Sequence[Document]) -> Tokenizer:
+    if cfg.tokenizer:
+        tokenizer = Tokenizer.from_file(cfg.tokenizer)
+    else:
+        tokenizer = train_bpe((d.text for d in train_docs), cfg.bpe_vocab_size)
+    if not 0 <= tokenizer.eos_id < tokenizer.vocab_size:
+        raise DataError(
+            f"{tokenizer.source}: end-of-document token id {tokenizer.eos_id} is >= the vocab size "
+            f"{tokenizer.vocab_size}; use a tokenizer whose ids run from 0 to vocab size - 1"
+        )
+    return tokenizer
+
+
+def prepare_data(cfg: DataConfig) -> DataMeta:
+    """Tokenize ``cfg.sources`` (or the embedded corpus when empty) into ``cfg.data_dir``.
+
+    Text files are one document each, ``.jsonl`` files one document per line (the
+    ``text`` field). Documents are split into train/validation by a seeded
+    shuffle (see :func:`split_documents`). Returns the (new or reused) metadata.
+
+    Raises:
+        DataError: for missing, empty or malformed inputs and for token ids
+            outside the vocabulary, naming the file (and line).
+    """
+    sources = [str(s) for s in cfg.sources] or [str(p) for p in embedded_corpus_files()]
+    data_dir = Path(cfg.data_dir)
+    fingerprint = sources_fingerprint(sources)
+    tokenizer_key = _tokenizer_key(cfg)
+    reused = _reusable(data_dir, fingerprint, tokenizer_key, cfg.val_fraction)
+    if reused is not None:
+        logger.info("reusing the prepared data in %s", data_dir)
+        return reused
+
+    docs = read_documents(sources)
+    if len(docs) < 2:
+        raise DataError(
+            f"{docs[0].origin}: the sources hold 1 document, but a train/validation split needs at least 2; "
+            "add files to data.sources, or use a .jsonl file with one document per line"
+        )
+    val_set = set(split_documents(len(docs), cfg.val_fraction))
+    train_docs = [d for i, d in enumerate(docs) if i not in val_set]
+    val_docs = [d for i, d in enumerate(docs) if i in val_set]
+    tokenizer = _load_tokenizer(cfg, train_docs)
+    dtype = token_dtype(tokenizer.vocab_size)
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / META_FILE).unlink(missing_ok=True)  # the old data is no longer complete from here on
+    suffix = f".tmp.{os.getpid()}"
+    outputs = {name: data_dir / f"{name}.bin" for name in ("train", "val")}
+    temps = {name: path.with_name(path.name + suffix) for name, path in outputs.items()}
+    tok_tmp = data_dir / (TOKENIZER_FILE + suffix)
+    try:
+        stats = {
+            "train": _write_split(train_docs, tokenizer, dtype, temps["train"]),
+            "val": _write_split(val_docs, tokenizer, dtype, temps["val"]),
+        }
+        if cfg.tokenizer:
+            shutil.copyfile(cfg.tokenizer, tok_tmp)
+        else:
+            tok_tmp.write_text(tokenizer.to_str())
+        os.replace(tok_tmp, data_dir / TOKENIZER_FILE)
+        for name in outputs:
+            os.replace(temps[name], outputs[name])
+    finally:
+        for tmp in (*temps.values(), tok_tmp):
+            tmp.unlink(missing_ok=True)
+
+    meta = DataMeta(
+        tokenizer=TOKENIZER_FILE,
+        tokenizer_key=tokenizer_key,
+        vocab_size=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        dtype=dtype.name,
+        sources=sources,
+        sources_fingerprint=fingerprint,
+        val_fraction=cfg.val_fraction,
+        split_seed=SPLIT_SEED,
+        train=stats["train"],
+        val=stats["val"],
+        data_dir=data_dir,
+    )
+    write_meta(meta)
+    logger.info(
+        "prepared %s: train %d docs / %d tokens, val %d docs / %d tokens, vocab %d (%s)",
+        data_dir,
+        meta.train.documents,
+        meta.train.tokens,
+        meta.val.documents,
+        meta.val.tokens,
+        meta.vocab_size,
+        meta.dtype,
+    )
+    return meta

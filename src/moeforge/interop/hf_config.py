@@ -1,0 +1,234 @@
+"""Map Hugging Face ``config.json`` of OLMoE / Qwen3-MoE to :class:`ModelConfig` and back.
+
+Only what moeforge computes identically is accepted: a field that would change
+the forward pass in a way moeforge does not implement (attention bias, QKV
+clipping, sliding windows, scaled RoPE, a non-SiLU activation, ...) raises one
+``ValueError`` naming the field. Training-only settings that a Hugging Face
+config does not carry (z-loss, dispatcher, ...) keep moeforge's defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeforge.config import ModelConfig, MoEConfig
+
+#: Hugging Face ``model_type`` -> the architecture name written into ``config.json``.
+ARCHITECTURES: dict[str, str] = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _as_dict(hf_config: Any) -> dict[str, Any]:
+    """A plain dict from a ``config.json`` dict or a ``transformers`` config object."""
+    if isinstance(hf_config, dict):
+        return dict(hf_config)
+    if hasattr(hf_config, "to_dict"):
+        return dict(hf_config.to_dict())
+    raise TypeError(f"hf_config: expected a dict or a transformers config, got {type(hf_config).__name__}")
+
+
+def _require(d: dict[str, Any], key: str) -> Any:
+    if d.get(key) is None:
+        raise ValueError(f"config.json: required field {key!r} is missing")
+    return d[key]
+
+
+def _unsupported(field: str, value: Any, expected: Any) -> ValueError:
+    return ValueError(
+        f"config.json: {field}={value!r} is not supported by moeforge (expected {expected!r}); "
+        "convert a checkpoint without this feature"
+    )
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    """RoPE base from ``rope_parameters`` (transformers >= 5) or the legacy ``rope_theta``."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise _unsupported("rope_parameters.rope_type", rope_type, "default")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise _unsupported("rope_parameters.partial_rotary_factor", params["partial_rotary_factor"], 1.0)
+        if "rope_theta" in params:
+            return float(params["rope_theta"])
+    scaling = d.get("rope_scaling")
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type != "default":
+            raise _unsupported("rope_scaling", scaling, None)
+    return float(d.get("rope_theta", 10000.0))
+
+
+def _check_common(d: dict[str, Any]) -> None:
+    """Reject features that change the forward pass and that moeforge does not implement."""
+    if d.get("attention_bias"):
+        raise _unsupported("attention_bias", d["attention_bias"], False)
+    if d.get("mlp_bias"):
+        raise _unsupported("mlp_bias", d["mlp_bias"], False)
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise _unsupported("hidden_act", act, "silu")
+    if d.get("clip_qkv") is not None:
+        raise _unsupported("clip_qkv", d["clip_qkv"], None)
+    if d.get("use_sliding_window"):
+        raise _unsupported("use_sliding_window", d["use_sliding_window"], False)
+
+
+def _dense_layers_qwen3(d: dict[str, Any], n_layers: int, num_experts: int) -> list[int]:
+    """Layers that Qwen3-MoE builds as dense MLPs (``mlp_only_layers`` and ``decoder_sparse_step``)."""
+    mlp_only = list(d.get("mlp_only_layers") or [])
+    step = int(d.get("decoder_sparse_step", 1) or 1)
+    if step < 1:
+        raise ValueError(f"config.json: decoder_sparse_step must be >= 1, got {step}")
+    for i in mlp_only:
+        if not 0 <= int(i) < n_layers:
+            raise ValueError(f"config.json: mlp_only_layers holds layer {i}, outside 0..{n_layers - 1}")
+    dense = []
+    for i in range(n_layers):
+        sparse = i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+        if not sparse:
+            dense.append(i)
+    return dense
+
+
+def config_from_hf(hf_config: Any) -> ModelConfig:
+    """Translate an OLMoE or Qwen3-MoE config (``config.json`` dict or transformers config) to moeforge.
+
+    Raises ``ValueError`` naming the field for any feature moeforge cannot reproduce exactly.
+    """
+    d = _as_dict(hf_config)
+    model_type = d.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"config.json: model_type={model_type!r} is not supported; "
+            f"expected one of {sorted(ARCHITECTURES)}"
+        )
+    _check_common(d)
+    d_model = int(_require(d, "hidden_size"))
+    n_heads = int(_require(d, "num_attention_heads"))
+    n_kv = int(d.get("num_key_value_heads") or n_heads)
+    n_layers = int(_require(d, "num_hidden_layers"))
+    num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    if num_experts < 1:
+        raise ValueError("config.json: num_experts must be >= 1 (a model without experts is not MoE)")
+    top_k = int(_require(d, "num_experts_per_tok"))
+    if n_heads % n_kv:
+        raise ValueError(
+            f"config.json: num_key_value_heads ({n_kv}) must divide num_attention_heads ({n_heads})"
+        )
+    if model_type == "olmoe":
+        if d_model % n_heads:
+            raise _unsupported("hidden_size", d_model, f"a multiple of num_attention_heads ({n_heads})")
+        head_dim = d_model // n_heads
+        if d.get("head_dim") not in (None, head_dim):
+            raise _unsupported("head_dim", d["head_dim"], head_dim)
+        qk_norm, dense_layers = "full", []
+        expert_hidden, dense_hidden = int(_require(d, "intermediate_size")), int(d["intermediate_size"])
+    else:
+        head_dim = int(d.get("head_dim") or d_model // n_heads)
+        qk_norm = "per_head"
+        dense_layers = _dense_layers_qwen3(d, n_layers, num_experts)
+        expert_hidden = int(_require(d, "moe_intermediate_size"))
+        dense_hidden = int(d.get("intermediate_size") or expert_hidden)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"config.json: num_experts_per_tok must be in 1..num_experts ({num_experts}), got {top_k}"
+        )
+    moe = MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_hidden=expert_hidden,
+        score_func="softmax",
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        aux_loss_coef=float(d.get("router_aux_loss_coef", MoEConfig.aux_loss_coef)),
+    )
+    return ModelConfig(
+        vocab_size=int(_require(d, "vocab_size")),
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        rope_theta=_rope_theta(d),
+        qk_norm=qk_norm,
+        norm_eps=float(d.get("rms_norm_eps", 1e-6 if model_type == "qwen3_moe" else 1e-5)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        dense_layers=dense_layers,
+        dense_hidden=dense_hidden,
+        max_seq_len=int(d.get("max_position_embeddings") or ModelConfig.max_seq_len),
+        init_std=float(d.get("initializer_range", ModelConfig.init_std)),
+        moe=moe,
+    )
+
+
+def _check_exportable(cfg: ModelConfig, flavor: str) -> None:
+    """Raise ``ValueError`` naming the moeforge field that the ``flavor`` layout cannot express."""
+    moe = cfg.moe
+
+    def bad(field: str, value: Any, need: str) -> ValueError:
+        return ValueError(f"to_hf(flavor={flavor!r}): {field}={value!r} cannot be exported; {need}")
+
+    if moe.score_func != "softmax":
+        raise bad("model.moe.score_func", moe.score_func, "Hugging Face OLMoE/Qwen3-MoE route by softmax")
+    if moe.n_groups != 1:
+        raise bad("model.moe.n_groups", moe.n_groups, "group-limited routing has no Hugging Face field here")
+    if moe.shared_expert_hidden:
+        raise bad("model.moe.shared_expert_hidden", moe.shared_expert_hidden, "no shared expert here")
+    if moe.random_routing:
+        raise bad("model.moe.random_routing", True, "set it to false")
+    if flavor == "olmoe":
+        if cfg.qk_norm != "full":
+            raise bad("model.qk_norm", cfg.qk_norm, "OLMoE normalises the whole projection: use 'full'")
+        if cfg.dense_layers:
+            raise bad("model.dense_layers", cfg.dense_layers, "OLMoE has no dense layers; use qwen3_moe")
+        if cfg.d_model % cfg.n_heads or cfg.dim_head != cfg.d_model // cfg.n_heads:
+            raise bad("model.head_dim", cfg.dim_head, "OLMoE needs head_dim == d_model // n_heads")
+    elif flavor == "qwen3_moe":
+        if cfg.qk_norm != "per_head":
+            raise bad("model.qk_norm", cfg.qk_norm, "Qwen3-MoE normalises each head: use 'per_head'")
+    else:
+        raise ValueError(f"to_hf: flavor must be one of {sorted(ARCHITECTURES)}, got {flavor!r}")
+
+
+def config_to_hf(cfg: ModelConfig, flavor: str) -> dict[str, Any]:
+    """The ``config.json`` dict of ``flavor`` ('olmoe' or 'qwen3_moe') for a moeforge model config."""
+    _check_exportable(cfg, flavor)
+    moe = cfg.moe
+    d: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[flavor]],
+        "model_type": flavor,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,  # read by transformers < 5
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "output_router_logits": False,
+        "router_aux_loss_coef": moe.aux_loss_coef,
+        "use_cache": True,
+        "dtype": "float32",
+        "torch_dtype": "float32",  # read by transformers < 5
+    }
+    if flavor == "olmoe":
+        d.update(intermediate_size=moe.expert_hidden, clip_qkv=None)
+    else:
+        d.update(
+            head_dim=cfg.dim_head,
+            intermediate_size=cfg.dense_hidden,
+            moe_intermediate_size=moe.expert_hidden,
+            decoder_sparse_step=1,
+            mlp_only_layers=sorted(cfg.dense_layers),
+            use_sliding_window=False,
+            sliding_window=None,
+        )
+    return d

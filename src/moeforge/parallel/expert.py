@@ -1,0 +1,99 @@
+"""Expert parallelism: shard every MoE layer's experts over the ep dim and install its dispatcher.
+
+Rank ``r`` of an ep group holds experts ``[r*E/ep, (r+1)*E/ep)``. The fused
+expert weights ``w1: (E, 2F, D)`` and ``w2: (E, D, F)`` become DTensors
+``Shard(0)`` over ``mesh.ep_mesh``: the module computes with the local shard
+(``GroupedExperts`` calls ``to_local()``), gradients arrive as ``Shard(0)``
+DTensors, and state dicts keep the full logical ``(E, ...)`` shape, so
+checkpoints do not depend on the layout. This is the one place that installs
+dispatchers on a built model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from moeforge.model.moe.dispatch import Dispatcher, LocalDispatcher
+from moeforge.model.moe.layer import MoELayer
+from moeforge.model.transformer import MoETransformer
+from moeforge.parallel.dispatch_alltoall import AllToAllDispatcher
+from moeforge.parallel.mesh import MoEMesh
+
+logger = logging.getLogger(__name__)
+
+DISPATCHERS = ("local", "alltoall", "rowwise")
+_ROWWISE_MODULE = "moeforge.parallel.dispatch_rowwise"
+
+
+def make_dispatcher(layer: MoELayer, mesh: MoEMesh, dispatcher: str) -> Dispatcher:
+    """The dispatcher named ``dispatcher`` for ``layer`` on ``mesh`` (ep group None when ep == 1)."""
+    num_experts = layer.cfg.num_experts
+    ep_group = mesh.ep_group if mesh.ep > 1 else None
+    if dispatcher == "local":
+        if mesh.ep > 1:
+            raise ValueError(
+                f"model.moe.dispatcher: 'local' needs parallel.ep == 1 (got {mesh.ep}); "
+                "use 'alltoall' or 'rowwise' with expert parallelism"
+            )
+        return LocalDispatcher(num_experts)
+    if dispatcher == "alltoall":
+        return AllToAllDispatcher(num_experts, ep_group)
+    if dispatcher == "rowwise":
+        try:
+            module = importlib.import_module(_ROWWISE_MODULE)
+        except ModuleNotFoundError as err:
+            if err.name != _ROWWISE_MODULE:
+                raise
+            raise ImportError(
+                f"model.moe.dispatcher: 'rowwise' needs {_ROWWISE_MODULE}, which is not available "
+                "in this installation; use 'alltoall'"
+            ) from err
+        return module.RowwiseDispatcher(num_experts, ep_group, layer.cfg.capacity_factor)
+    raise ValueError(f"model.moe.dispatcher: must be one of {', '.join(DISPATCHERS)}, got {dispatcher!r}")
+
+
+def _shard_param(param: nn.Parameter, mesh: MoEMesh) -> nn.Parameter:
+    """``Shard(0)`` over the ep mesh, cut locally from the (identical on every rank) full tensor."""
+    if isinstance(param, DTensor):
+        raise ValueError("parallelize_experts: expert weights are already DTensors (applied twice?)")
+    sharded = distribute_tensor(param.detach(), mesh.ep_mesh, [Shard(0)], src_data_rank=None)
+    return nn.Parameter(sharded, requires_grad=param.requires_grad)
+
+
+def parallelize_experts(model: MoETransformer, mesh: MoEMesh, dispatcher: str = "alltoall") -> MoETransformer:
+    """Shard every MoE layer's experts over ``mesh.ep_mesh`` and install ``dispatcher``; returns ``model``.
+
+    With ``mesh.ep == 1`` the weights stay plain tensors (every rank holds all
+    experts) and only the dispatcher is installed. Call this before building
+    the optimizer, since the expert parameters are replaced.
+    """
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"model.moe.dispatcher: must be one of {', '.join(DISPATCHERS)}, got {dispatcher!r}")
+    layers = model.moe_layers()
+    shard = mesh.ep > 1
+    if shard:
+        if mesh.ep_mesh is None or mesh.ep_group is None:
+            raise ValueError(
+                f"parallel.ep = {mesh.ep} needs an initialised mesh (build_mesh after init_process_group)"
+            )
+        num_experts = model.cfg.moe.num_experts
+        if num_experts % mesh.ep != 0:
+            raise ValueError(f"parallel.ep: must divide model.moe.num_experts ({num_experts}), got {mesh.ep}")
+    for layer in layers:
+        if shard:
+            layer.experts.w1 = _shard_param(layer.experts.w1, mesh)
+            layer.experts.w2 = _shard_param(layer.experts.w2, mesh)
+        layer.dispatcher = make_dispatcher(layer, mesh, dispatcher)
+    if layers:
+        logger.info(
+            "expert parallelism: ep=%d, %d experts per rank, dispatcher=%s, %d MoE layers",
+            mesh.ep,
+            layers[0].dispatcher.num_local_experts,
+            dispatcher,
+            len(layers),
+        )
+    return model

@@ -1,0 +1,307 @@
+"""The training loop: micro-batches, losses, the stack's optimizer step, metrics, eval, checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from moeforge.config import Config, save_config
+from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
+from moeforge.model import MoETransformer, build_model
+from moeforge.parallel.mesh import MoEMesh
+from moeforge.parallel.stack import TrainingStack, build_stack
+from moeforge.train.checkpoint import load_full_state_dict, newest_loadable, save_checkpoint
+from moeforge.train.data_setup import ensure_data
+from moeforge.train.distributed import all_reduce_sum, init_distributed, pick_device
+from moeforge.train.metrics import MetricsWriter
+from moeforge.train.schedule import lr_at
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. too many consecutive non-finite steps)."""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step measured (floats, already reduced over ranks)."""
+
+    loss: float
+    lm_loss: float
+    aux_loss: float
+    z_loss: float
+    grad_norm: float
+    skipped: bool
+    expert_counts: Tensor  # (moe_layers, E), summed over micro-batches and ranks
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def moe_aux_terms(model: MoETransformer) -> tuple[Tensor, Tensor, Tensor]:
+    """``(weighted aux sum for the loss, mean aux loss, mean z-loss)`` over the MoE layers' last forward."""
+    layers = model.moe_layers()
+    if not layers:
+        zero = torch.zeros(())
+        return zero, zero, zero
+    aux = torch.stack([m.last_routing.aux_loss for m in layers])  # type: ignore[union-attr]
+    z = torch.stack([m.last_routing.z_loss for m in layers])  # type: ignore[union-attr]
+    moe = layers[0].cfg
+    weighted = moe.aux_loss_coef * aux.sum() + moe.z_loss_coef * z.sum()
+    return weighted, aux.detach().mean(), z.detach().mean()
+
+
+def lm_loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Trainer:
+    """Builds everything from a config and runs ``fit()``. Every rank runs the same code."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device = pick_device()
+        self.mesh: MoEMesh = init_distributed(cfg, self.device)
+        self.rank = self.mesh.rank
+        self.is_main = self.rank == 0
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        self.run_dir = Path(cfg.train.run_dir)
+        self.meta: DataMeta = ensure_data(cfg, self.is_main)
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = self.meta.vocab_size
+        elif cfg.model.vocab_size < self.meta.vocab_size:
+            from moeforge.config import ConfigError
+
+            raise ConfigError(
+                f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
+                f"{self.meta.vocab_size}; set it to 0 to take the tokenizer's"
+            )
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
+        self.stack: TrainingStack = build_stack(model, cfg, self.mesh)
+        self.model: MoETransformer = model
+        self.train_data = TokenWindows.from_meta(self.meta, "train", cfg.data.seq_len)
+        self.val_data = TokenWindows.from_meta(self.meta, "val", cfg.data.seq_len)
+        self.loader = ShardedLoader(
+            self.train_data,
+            cfg.train.global_batch_size,
+            cfg.train.micro_batch_size,
+            rank=self.mesh.rank,
+            world_size=self.mesh.dp,
+            seed=cfg.train.seed,
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        self.consecutive_skips = 0
+        self.skipped_steps = 0
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
+        self.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+
+    # ------------------------------------------------------------------ steps
+
+    def _autocast(self) -> Any:
+        return torch.autocast(
+            self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+        )
+
+    def train_step(self, micro_batches: list[Tensor]) -> StepResult:
+        """One optimizer step over this rank's micro-batches."""
+        model, stack, cfg = self.model, self.stack, self.cfg
+        model.train()
+        n_micro = len(micro_batches)
+        sums = torch.zeros(4, device=self.device)  # loss, lm, aux, z
+        counts = None
+        for i, batch in enumerate(micro_batches):
+            batch = batch.to(self.device, non_blocking=True)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            stack.set_grad_sync(i == n_micro - 1)
+            with self._autocast():
+                logits = model(inputs)
+            lm = lm_loss_fn(logits, targets)
+            weighted_aux, aux, z = moe_aux_terms(model)
+            loss = lm + weighted_aux.to(lm.device)
+            (loss / n_micro).backward()
+            sums += torch.stack([loss.detach(), lm.detach(), aux.to(lm.device), z.to(lm.device)]) / n_micro
+            step_counts = torch.stack(
+                [m.last_routing.tokens_per_expert for m in model.moe_layers()]  # type: ignore[union-attr]
+            ) if model.moe_layers() else torch.zeros(0, 1, device=self.device)
+            counts = step_counts if counts is None else counts + step_counts
+        stack.finish_grad_sync()
+        grad_norm = stack.clip_grad_norm_(cfg.optim.grad_clip)
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            stack.step()
+        stack.zero_grad()
+        assert counts is not None
+        all_reduce_sum(counts, self.mesh.dp_group)
+        all_reduce_sum(sums, self.mesh.dp_group)
+        sums /= self.mesh.dp
+        if finite:
+            for layer, c in zip(model.moe_layers(), counts):
+                layer.router.update_bias(c)
+        loss, lm, aux, z = sums.tolist()
+        return StepResult(loss, lm, aux, z, float(grad_norm), not finite, counts)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss and bits per byte over ``train.eval_batches`` batches (all ranks)."""
+        self.model.eval()
+        batches = eval_batches(
+            self.val_data, self.cfg.train.micro_batch_size, self.cfg.train.eval_batches, self.rank, self.mesh.dp
+        )
+        acc = torch.zeros(2, device=self.device, dtype=torch.float64)
+        for batch in batches:
+            batch = batch.to(self.device)
+            with self._autocast():
+                logits = self.model(batch[:, :-1])
+            loss = lm_loss_fn(logits, batch[:, 1:])
+            acc += torch.tensor([loss.item() * batch[:, 1:].numel(), batch[:, 1:].numel()], device=self.device,
+                                dtype=torch.float64)
+        all_reduce_sum(acc, self.mesh.dp_group)
+        self.model.train()
+        val_loss = float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
+        split = self.meta.split("val")
+        return {"val_loss": val_loss, "val_bpb": bits_per_byte(val_loss, split.tokens, split.bytes)}
+
+    # ------------------------------------------------------------- checkpoints
+
+    def trainer_state(self) -> dict[str, Any]:
+        """JSON-able counters and loader position."""
+        return {
+            "tokens_seen": self.tokens_seen,
+            "consecutive_skips": self.consecutive_skips,
+            "skipped_steps": self.skipped_steps,
+            "loader": self.loader.state_dict(),
+        }
+
+    def save(self) -> Path:
+        """Checkpoint the current step (all ranks)."""
+        t0 = time.perf_counter()
+        path = save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.model,
+            self.stack.optimizer.state_dict(),
+            self.trainer_state(),
+            keep_last=self.cfg.train.keep_last,
+        )
+        log.info("saved checkpoint %s in %.2fs", path.name, time.perf_counter() - t0)
+        return path
+
+    def maybe_resume(self) -> bool:
+        """Load the newest complete checkpoint of the run dir, if any."""
+        found = newest_loadable(self.run_dir, self.rank)
+        if found is None:
+            return False
+        path, (model_state, optim_state, rng, state) = found
+        load_full_state_dict(self.model, model_state)
+        self.stack.optimizer.load_state_dict(optim_state)
+        torch.set_rng_state(rng["cpu"])
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.consecutive_skips = int(state["consecutive_skips"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.loader.load_state_dict(state["loader"])
+        log.info("resumed from %s (step %d)", path, self.step)
+        return True
+
+    # -------------------------------------------------------------------- fit
+
+    def fit(self) -> dict[str, Any]:
+        """Train to ``train.max_steps``; returns the last step and validation metrics."""
+        cfg = self.cfg
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+        if dist.is_initialized():
+            dist.barrier()
+        self.maybe_resume()
+        tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        bar = None
+        if self.is_main and cfg.logging.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        last: dict[str, Any] = {}
+        while self.step < cfg.train.max_steps:
+            lr = lr_at(self.step, cfg.train.max_steps, cfg.optim)
+            self.stack.set_lr(lr)
+            t0 = time.perf_counter()
+            result = self.train_step(self.loader.next_step())
+            dt = time.perf_counter() - t0
+            self.step += 1
+            self.tokens_seen += tokens_per_step
+            self.consecutive_skips = self.consecutive_skips + 1 if result.skipped else 0
+            self.skipped_steps += int(result.skipped)
+            load = result.expert_counts
+            max_over_mean = (load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)).tolist()
+            record: dict[str, Any] = {
+                "step": self.step,
+                "loss": result.loss,
+                "lm_loss": result.lm_loss,
+                "aux_loss": result.aux_loss,
+                "z_loss": result.z_loss,
+                "lr": lr,
+                "grad_norm": result.grad_norm,
+                "skipped": result.skipped,
+                "tokens_per_s": tokens_per_step / dt,
+                "tokens_per_s_per_device": tokens_per_step / dt / self.mesh.world_size,
+                "step_time_s": dt,
+                "expert_load_max_over_mean": max_over_mean,
+                **result.extra,
+            }
+            is_last = self.step == cfg.train.max_steps
+            if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or is_last:
+                record.update(self.evaluate())
+                log.info("step %d: val_loss %.4f val_bpb %.4f", self.step, record["val_loss"], record["val_bpb"])
+            self.metrics.write(record)
+            if result.skipped:
+                log.warning("step %d: non-finite gradient norm, update skipped", self.step)
+                if self.consecutive_skips >= cfg.train.max_consecutive_skips:
+                    raise TrainingError(
+                        f"{self.consecutive_skips} consecutive steps had non-finite gradients; stopping. "
+                        "The last good checkpoint is untouched; lower optim.lr or check the data."
+                    )
+            last = record
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            elif self.is_main and cfg.train.log_every and self.step % cfg.train.log_every == 0:
+                log.info("step %d loss %.4f tok/s %.0f", self.step, result.loss, record["tokens_per_s"])
+            if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or is_last:
+                self.save()
+        if bar is not None:
+            bar.close()
+        return last
+
+    def sample(self, prompt: str, max_new_tokens: int) -> str:
+        """Generate text from ``prompt`` (every rank must call it; all draw the same tokens)."""
+        from moeforge.data import Tokenizer
+        from moeforge.train.generate import generate
+
+        tok = Tokenizer.from_file(self.meta.tokenizer_path)
+        ids = torch.tensor([tok.encode(prompt)], device=self.device)
+        with self._autocast():
+            out = generate(self.model, ids, max_new_tokens, seed=self.cfg.train.seed)
+        return tok.decode(out[0].tolist())
+
+
+def final_summary(record: dict[str, Any]) -> str:
+    """One line for the console at the end of a run."""
+    parts = [f"step {record.get('step')}", f"loss {record.get('loss', math.nan):.4f}"]
+    if "val_bpb" in record:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
+        parts.append(f"val_bpb {record['val_bpb']:.4f}")
+    return " | ".join(parts)

@@ -1,0 +1,57 @@
+"""Shared test fixtures: a tiny synthetic corpus and a tiny training config."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from moeforge.config import Config, load_config
+
+WORDS = "the king queen lord lady good night sweet love death crown sword fair speak thou art".split()
+
+
+def write_corpus(root: Path, n_docs: int = 6, words_per_doc: int = 3000, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-English documents (learnable: word bigrams repeat)."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for d in range(n_docs):
+        words = []
+        w = rng.choice(WORDS)
+        for _ in range(words_per_doc):
+            words.append(w)
+            w = WORDS[(WORDS.index(w) * 3 + rng.randint(0, 2)) % len(WORDS)]
+        p = root / f"doc{d}.txt"
+        p.write_text(" ".join(words) + "\n")
+        paths.append(str(p))
+    return paths
+
+
+def tiny_config(tmp: Path, *overrides: str) -> Config:
+    """A config that trains in seconds on the synthetic corpus."""
+    sources = write_corpus(tmp / "corpus")
+    base = [
+        "--data.sources=[" + ",".join(sources) + "]",
+        f"--data.data_dir={tmp / 'data'}",
+        "--data.bpe_vocab_size=300",
+        "--data.seq_len=32",
+        "--data.val_fraction=0.2",
+        "--model.d_model=32",
+        "--model.n_layers=2",
+        "--model.n_heads=4",
+        "--model.dense_hidden=64",
+        "--model.max_seq_len=64",
+        "--model.moe.num_experts=4",
+        "--model.moe.top_k=2",
+        "--model.moe.expert_hidden=32",
+        "--optim.lr=0.01",
+        "--optim.warmup_steps=2",
+        "--train.max_steps=8",
+        "--train.global_batch_size=8",
+        "--train.micro_batch_size=4",
+        "--train.precision=fp32",
+        f"--train.run_dir={tmp / 'run'}",
+        "--train.eval_batches=2",
+        "--logging.progress=false",
+    ]
+    return load_config(None, base + list(overrides))

@@ -1,0 +1,59 @@
+"""Config: YAML + dotted overrides, type checks, one clear error per mistake."""
+
+from pathlib import Path
+
+import pytest
+
+from moeforge.config import ConfigError, load_config, validate_layout
+
+CFG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare.yaml"
+
+
+def test_loads_demo_and_applies_overrides() -> None:
+    cfg = load_config(CFG, ["--model.moe.top_k=4", "--train.max_steps", "7", "--train.precision=fp32"])
+    assert cfg.model.moe.top_k == 4
+    assert cfg.train.max_steps == 7
+    assert cfg.train.precision == "fp32"
+
+
+def test_list_override() -> None:
+    cfg = load_config(CFG, ["--model.dense_layers=[0,1]"])
+    assert cfg.model.dense_layers == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("--model.moe.top_k=9", "model.moe.top_k"),
+        ("--model.d_model=250", "model.d_model"),
+        ("--model.moe.bogus=1", "model.moe.bogus"),
+        ("--train.max_steps=ten", "train.max_steps"),
+        ("--train.precision=fp16", "train.precision"),
+        ("--data.sources=[/nope/missing.txt]", "data.sources[0]"),
+        ("--parallel.ep=3", "parallel.ep"),
+        ("--parallel.pp=2", "parallel.pp"),
+        ("--model.moe.n_groups=3", "model.moe.n_groups"),
+        ("--model.dense_layers=[99]", "model.dense_layers"),
+        ("--model.moe", "model.moe"),
+        ("oops", "oops"),
+    ],
+)
+def test_errors_name_the_field(override: str, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(CFG, [override, "--model.moe.num_experts=8"] if "ep=3" in override else [override])
+    assert str(err.value).startswith(field), str(err.value)
+
+
+def test_layout_checks_need_world_size() -> None:
+    cfg = load_config(CFG, ["--parallel.ep=2"])
+    validate_layout(cfg, 2)
+    with pytest.raises(ConfigError, match=r"^parallel.ep: must divide the world size"):
+        validate_layout(cfg, 3)
+    cfg = load_config(CFG, ["--parallel.ep=2", "--model.moe.dispatcher=local"])
+    with pytest.raises(ConfigError, match="^model.moe.dispatcher"):
+        validate_layout(cfg, 2)
+
+
+def test_missing_config_file() -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nope.yaml")
