@@ -2,7 +2,9 @@
 
 The trainer only talks to :class:`TrainingStack`. ``build_stack`` picks the
 implementation from ``parallel.stack`` and the world size: a single process
-uses :class:`LocalStack` (torch AdamW); the distributed stacks live beside it.
+uses :class:`LocalStack` (torch AdamW); ``ddp`` uses :class:`DDPStack`
+(experts sharded over ep, bucketed gradient reduction, the distributed
+optimizer); ``fsdp`` uses :class:`~moeforge.parallel.fsdp.FSDPStack`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ import torch
 from torch import Tensor, nn
 
 from moeforge.config import Config
+from moeforge.parallel.expert import parallelize_experts
+from moeforge.parallel.grad_buckets import GradReducer
+from moeforge.parallel.mesh import MoEMesh
+from moeforge.parallel.optimizer import DistributedOptimizer
 
 
 def optim_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -84,8 +90,56 @@ class LocalStack(TrainingStack):
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
 
 
-def build_stack(model: nn.Module, cfg: Config, mesh) -> TrainingStack:  # noqa: ANN001
-    """Lay the model out over ``mesh`` and build the matching optimizer."""
+class DDPStack(TrainingStack):
+    """Dense weights replicated, experts resident (sharded over ep), gradients bucketed and
+    reduce-scattered into the :class:`DistributedOptimizer`'s shards.
+
+    Dense gradients are reduced over ``mesh.dp_group``, expert gradients over
+    ``mesh.edp_group`` only. Apply :func:`~moeforge.parallel.expert.parallelize_experts`
+    before building it (``build_stack`` does).
+    """
+
+    def __init__(self, model: nn.Module, cfg: Config, mesh: MoEMesh) -> None:
+        self.model = model
+        self.reducer = GradReducer(
+            model, mesh, cfg.parallel.bucket_size_mb, overlap=cfg.parallel.overlap_grad_reduce
+        )
+        o = cfg.optim
+        self.optimizer = DistributedOptimizer(
+            optim_param_groups(model, o.weight_decay),
+            self.reducer,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            norm_group=mesh.dp_group,
+        )
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        self.reducer.set_sync(enabled)
+
+    def finish_grad_sync(self) -> None:
+        self.reducer.finish()
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        return self.optimizer.clip_grad_norm_(max_norm)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+
+def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
+    """Lay the model out over ``mesh`` and build the matching optimizer.
+
+    Every stack installs the configured dispatcher first; only the ddp stack
+    shards experts over ``ep`` (FSDP shards every expert over all ranks instead).
+    """
+    parallelize_experts(model, mesh, cfg.model.moe.dispatcher)  # type: ignore[arg-type]
     if not mesh.distributed:
         return LocalStack(model, cfg)
-    raise NotImplementedError("distributed stacks arrive with the expert-parallel issue")
+    if cfg.parallel.stack == "fsdp":
+        from moeforge.parallel.fsdp import FSDPStack
+
+        return FSDPStack(model, cfg, mesh)
+    if cfg.parallel.stack == "ddp":
+        return DDPStack(model, cfg, mesh)
+    raise ValueError(f"parallel.stack: must be 'ddp' or 'fsdp', got {cfg.parallel.stack!r}")

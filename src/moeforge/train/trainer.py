@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from moeforge.bench.balance import model_balance_metrics
 from moeforge.config import Config, save_config
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
 from moeforge.model import MoETransformer, build_model
@@ -152,7 +153,8 @@ class Trainer:
             for layer, c in zip(model.moe_layers(), counts):
                 layer.router.update_bias(c)
         loss, lm, aux, z = sums.tolist()
-        return StepResult(loss, lm, aux, z, float(grad_norm), not finite, counts)
+        balance = model_balance_metrics(model, ep=self.mesh.ep, group=self.mesh.ep_group)
+        return StepResult(loss, lm, aux, z, float(grad_norm), not finite, counts, balance)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -44,7 +44,8 @@ def sort_routes(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     """Stable order of the flattened routes by expert, and per-expert route counts."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add instead of bincount: bincount reads the maximum back to the host on CUDA
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return order, counts
 
 

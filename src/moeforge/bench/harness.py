@@ -1,0 +1,296 @@
+"""``moeforge bench``: named variants of one config, each in its own ``torchrun`` launch, side by side.
+
+The seed articles' checklist as a command: pin and record the environment
+(:mod:`moeforge.bench.env`), start from a reduced config (``configs/bench/``),
+compare the new stack with FSDP on the same model and tokens
+(``--compare stacks``), sweep the number of experts at fixed top-k and
+expert size (``--sweep num_experts=8,32,128``), compare dispatchers, gradient
+overlap and precision, and measure throughput, memory, communication,
+checkpoint times, expert balance and dropped routes (:mod:`moeforge.bench.worker`).
+Results on different inputs are never compared (:mod:`moeforge.bench.report`).
+MXFP8 is not implemented, and ``--compare precision`` says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moeforge.bench.env import collect_env
+from moeforge.bench.report import MXFP8_NOTE, compute_ratios, markdown_tables, write_results
+from moeforge.bench.worker import RESULT_FILE
+from moeforge.config import Config, ConfigError, load_config, save_config, validate_config
+
+log = logging.getLogger(__name__)
+
+COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing")
+DEFAULT_CONFIGS = {
+    "stacks": "stacks.yaml",
+    "dispatchers": "stacks.yaml",
+    "overlap": "stacks.yaml",
+    "precision": "stacks.yaml",
+    "routing": "stacks.yaml",
+    "sweep": "experts.yaml",
+    None: "stacks.yaml",
+}
+SWEEP_KEYS = {
+    "num_experts": ("model.moe.num_experts", "E"),
+    "top_k": ("model.moe.top_k", "k"),
+    "expert_hidden": ("model.moe.expert_hidden", "F"),
+    "capacity_factor": ("model.moe.capacity_factor", "cf"),
+    "ep": ("parallel.ep", "ep"),
+    "micro_batch_size": ("train.micro_batch_size", "mb"),
+}
+
+
+@dataclass
+class Variant:
+    """One launch: a name, a process count and the overrides applied on top of the base config."""
+
+    name: str
+    nproc: int
+    overrides: list[str] = field(default_factory=list)
+
+
+def comparison_variants(kind: str, nproc: int, ep: int) -> list[Variant]:
+    """The variants of ``--compare KIND``; the first is the reference the others are divided by."""
+    ddp = [f"--parallel.stack=ddp", f"--parallel.ep={ep}"]
+    base = f"ddp+ep{ep}"
+    if kind == "stacks":
+        return [Variant("fsdp", nproc, ["--parallel.stack=fsdp", "--parallel.ep=1"]), Variant(base, nproc, ddp)]
+    if kind == "dispatchers":
+        return [
+            Variant(base, nproc, [*ddp, "--model.moe.dispatcher=alltoall"]),
+            Variant(f"{base}+rowwise", nproc, [*ddp, "--model.moe.dispatcher=rowwise"]),
+        ]
+    if kind == "overlap":
+        return [
+            Variant(f"{base}+overlap_off", nproc, [*ddp, "--parallel.overlap_grad_reduce=false"]),
+            Variant(base, nproc, [*ddp, "--parallel.overlap_grad_reduce=true"]),
+        ]
+    if kind == "precision":
+        return [
+            Variant(f"{base}+fp32", nproc, [*ddp, "--train.precision=fp32"]),
+            Variant(f"{base}+bf16", nproc, [*ddp, "--train.precision=bf16"]),
+        ]
+    if kind == "routing":
+        return [
+            Variant(f"{base}+learned", nproc, [*ddp, "--model.moe.random_routing=false"]),
+            Variant(f"{base}+random", nproc, [*ddp, "--model.moe.random_routing=true"]),
+        ]
+    raise ConfigError(f"--compare: must be one of {', '.join(COMPARISONS)}, got {kind!r}")
+
+
+def sweep_variants(spec: str, nproc: int) -> list[Variant]:
+    """``KEY=v1,v2,...`` (a short key like ``num_experts`` or any dotted config field) -> one variant per value."""
+    if "=" not in spec:
+        raise ConfigError(f"--sweep: expected KEY=v1,v2,..., e.g. num_experts=8,32,128; got {spec!r}")
+    key, _, values = spec.partition("=")
+    dotted, short = SWEEP_KEYS.get(key, (key, key.rsplit(".", 1)[-1]))
+    points = [v.strip() for v in values.split(",") if v.strip()]
+    if len(points) < 2:
+        raise ConfigError(f"--sweep: give at least two values for {key}, e.g. {key}=8,32; got {values!r}")
+    return [Variant(f"{short}={p}", nproc, [f"--{dotted}={p}"]) for p in points]
+
+
+def parse_variant(spec: str, nproc: int) -> Variant:
+    """``NAME: --a.b=1 --c.d=2 [--nproc=N]`` -> a :class:`Variant`."""
+    name, sep, rest = spec.partition(":")
+    if not sep or not name.strip():
+        raise ConfigError(f"--variant: expected 'NAME: --section.field=value ...', got {spec!r}")
+    overrides, procs = [], nproc
+    for token in shlex.split(rest):
+        if token.startswith("--nproc="):
+            procs = int(token.split("=", 1)[1])
+        else:
+            overrides.append(token)
+    return Variant(name.strip(), procs, overrides)
+
+
+def default_config(kind: str | None) -> Path:
+    """``configs/bench/<file>`` for a comparison: in the working directory, else next to the package."""
+    name = DEFAULT_CONFIGS[kind]
+    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
+        path = root / "configs" / "bench" / name
+        if path.is_file():
+            return path
+    raise ConfigError(f"config: the default configs/bench/{name} was not found; pass a CONFIG file")
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """``torchrun --standalone --nproc-per-node N`` from this interpreter's environment."""
+    exe = Path(sys.executable).with_name("torchrun")
+    launcher = [str(exe)] if exe.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def safe_name(name: str) -> str:
+    """A directory name for a variant."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
+
+
+def plan_variants(args: argparse.Namespace) -> tuple[list[Variant], str, str | None]:
+    """``(variants, kind label, reference name)`` from the command line."""
+    chosen = [bool(args.compare), bool(args.sweep), bool(args.variant)]
+    if sum(chosen) > 1:
+        raise ConfigError("bench: use one of --compare, --sweep or --variant per run")
+    nproc = args.nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
+    if args.compare:
+        ep = args.ep or nproc
+        variants = comparison_variants(args.compare, nproc, ep)
+        kind = f"compare {args.compare}"
+    elif args.sweep:
+        variants, kind = sweep_variants(args.sweep, nproc), f"sweep {args.sweep}"
+    elif args.variant:
+        variants, kind = [parse_variant(s, nproc) for s in args.variant], "variants"
+    else:
+        variants, kind = [Variant("baseline", nproc)], "single"
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--variant: names must be unique, got {names}")
+    return variants, kind, variants[0].name
+
+
+def resolve_config(base: Path, extra: list[str], variant: Variant, args: argparse.Namespace) -> Config:
+    """Base config + command-line overrides + the variant's overrides, validated for its world size."""
+    overrides = list(extra)
+    if args.random_routing:
+        overrides.append("--model.moe.random_routing=true")
+    overrides += variant.overrides
+    overrides += [f"--train.max_steps={args.warmup + args.steps + 1}", "--logging.progress=false"]
+    try:
+        cfg = load_config(base, overrides)
+        validate_config(cfg, world_size=variant.nproc)
+    except ConfigError as e:
+        raise ConfigError(f"variant {variant.name!r}: {e}") from None
+    return cfg
+
+
+def launch(variant: Variant, config_path: Path, vdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one variant under torchrun; its result, or ``{"name", "error"}`` with the log's tail."""
+    cmd = [
+        *torchrun_command(variant.nproc), "-m", "moeforge.bench.worker",
+        "--config", str(config_path), "--out", str(vdir), "--name", variant.name,
+        "--warmup", str(args.warmup), "--steps", str(args.steps), "--probe-s", str(args.probe_s),
+    ]
+    if not args.profile:
+        cmd.append("--no-profile")
+    if not args.checkpoint:
+        cmd.append("--no-checkpoint")
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // variant.nproc)))
+    log_path = vdir / "log.txt"
+    (vdir / RESULT_FILE).unlink(missing_ok=True)
+    log.info("bench: running %s (%d process(es))", variant.name, variant.nproc)
+    with log_path.open("w") as log_file:
+        log_file.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+        log_file.flush()
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            return {"name": variant.name, "error": f"timed out after {args.timeout}s (log: {log_path})"}
+    result_path = vdir / RESULT_FILE
+    if rc != 0 or not result_path.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        return {"name": variant.name, "error": f"exit code {rc} (log: {log_path})\n{tail}"}
+    return json.loads(result_path.read_text())
+
+
+def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    """Run every variant, write results.json / results.md / plots into ``--out`` and print the table."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if args.warmup < 0 or args.steps < 1:
+        raise ConfigError(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
+    variants, kind, reference = plan_variants(args)
+    base = Path(args.config) if args.config else default_config(
+        args.compare if args.compare else ("sweep" if args.sweep else None)
+    )
+    out = Path(args.out)
+    configs = [resolve_config(base, extra, v, args) for v in variants]  # every mistake before any launch
+    from moeforge.data import prepare_data
+
+    prepared: set[str] = set()
+    for cfg in configs:
+        key = json.dumps(cfg.data.__dict__, sort_keys=True, default=str)
+        if key not in prepared:
+            prepare_data(cfg.data)
+            prepared.add(key)
+    env = collect_env()
+    results: list[dict[str, Any]] = []
+    for variant, cfg in zip(variants, configs):
+        vdir = out / "variants" / safe_name(variant.name)
+        vdir.mkdir(parents=True, exist_ok=True)
+        config_path = vdir / "config.yaml"
+        save_config(cfg, config_path)
+        result = launch(variant, config_path, vdir, args)
+        if result.get("error"):
+            log.error("bench: variant %s failed: %s", variant.name, result["error"])
+        else:
+            log.info("bench: %s: %.0f tokens/s", variant.name, result["tokens_per_s"])
+        results.append(result)
+    notes = []
+    if args.compare == "precision":
+        notes.append(MXFP8_NOTE)
+    if env["device_type"] == "cpu":
+        notes.append(
+            f"measured on a CPU with {env['cpu_count']} cores: each 'device' is one worker process, and the "
+            "ratios say nothing about GPUs."
+        )
+    report = {
+        "title": f"moeforge bench: {kind}",
+        "command": "moeforge bench " + " ".join(shlex.quote(a) for a in args.argv),
+        "config": str(base),
+        "env": env,
+        "variants": results,
+        "ratios": compute_ratios(results, reference, kind),
+        "notes": notes,
+    }
+    write_results(report, out, plots=args.plots)
+    sys.stdout.write(markdown_tables(report))
+    sys.stdout.write(f"results: {out / 'results.json'}, {out / 'results.md'}\n")
+    return 1 if any(r.get("error") for r in results) else 0
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``moeforge bench`` options (dotted ``--section.field=value`` overrides pass through)."""
+    parser.description = (
+        "Benchmark named variants of CONFIG, each in its own torchrun launch, on identical token batches. "
+        "Extra --section.field=value overrides apply to every variant."
+    )
+    parser.add_argument("config", nargs="?", default=None,
+                        help="YAML config (default: configs/bench/stacks.yaml, experts.yaml for --sweep)")
+    parser.add_argument("--compare", choices=COMPARISONS, default=None,
+                        help="stacks: fsdp vs ddp+ep; dispatchers: alltoall vs rowwise; overlap: gradient "
+                        "reduction overlap off vs on; precision: fp32 vs bf16; routing: learned vs random")
+    parser.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
+                        help="one variant per value, e.g. num_experts=8,32,128 (relative to the first)")
+    parser.add_argument("--variant", action="append", default=None, metavar="'NAME: --a.b=1 [--nproc=N]'",
+                        help="a custom variant (repeatable)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes per variant (default 2)")
+    parser.add_argument("--ep", type=int, default=0, help="expert-parallel degree of ddp variants (default: nproc)")
+    parser.add_argument("--random-routing", action="store_true", help="route every token to random experts")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before it is killed")
+    parser.add_argument("--probe-s", type=float, default=0.3, help="seconds per dtype of the CPU matmul probe")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="skip the profiled step that measures time in collectives")
+    parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
+                        help="skip timing checkpoint save and load")
+    parser.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    parser.set_defaults(argv=[])

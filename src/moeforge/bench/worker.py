@@ -1,0 +1,398 @@
+"""One benchmark variant, run on every rank: ``torchrun ... -m moeforge.bench.worker --config C --out D``.
+
+The harness writes the variant's effective config and launches this module
+under ``torchrun``; rank 0 writes ``D/result.json``. What one run does, in order:
+
+1. Builds the :class:`~moeforge.train.trainer.Trainer` (process group, data, model, stack).
+2. Reads the first ``warmup + steps (+ 1 profiled)`` global batches of the
+   loader up front and hashes them (:func:`hash_global_batch`): the hash covers
+   the *global* batch, so it is the same for every world layout; each rank also
+   checks that its micro-batches are its slice of that global batch.
+3. Measures the device peak: on CPU a matmul probe run concurrently on every
+   rank with the thread count training uses (averaged over ranks); on GPU the
+   datasheet table (a bf16 probe for unknown parts).
+4. Runs ``warmup`` steps, then ``steps`` timed steps (wall clock, the slowest
+   rank counts), with forward hooks summing each MoE layer's routes per expert
+   and dropped routes.
+5. Runs one more step under ``torch.profiler`` and takes as communication time
+   the wall time during which at least one collective was in flight (union of
+   ``gloo:*`` events on CPU, of NCCL kernels on GPU). It is kept out of the
+   throughput numbers, since profiling slows the step.
+6. Saves a checkpoint with ``trainer.save()`` and loads it with
+   ``trainer.maybe_resume()``, timing each between barriers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from moeforge.bench.balance import balance_metrics
+from moeforge.bench.devices import cpu_peak_tflops, device_from_cuda_name, measure_matmul_tflops, peak_tflops
+from moeforge.bench.flops import flops_per_token, model_tflops_per_s, param_counts
+from moeforge.config import load_config
+from moeforge.data import ShardedLoader, TokenWindows
+from moeforge.model.moe.dispatch import DispatchStats
+from moeforge.train.checkpoint import checkpoints_dir
+from moeforge.train.schedule import lr_at
+from moeforge.train.trainer import Trainer
+
+log = logging.getLogger("moeforge.bench.worker")
+
+RESULT_FILE = "result.json"
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def hash_global_batch(hasher: Any, rows: Tensor) -> None:
+    """Feed one global batch ``(G, seq_len + 1)`` of token ids (as little-endian int64) to ``hasher``."""
+    data = rows.to(torch.int64).contiguous().numpy()
+    hasher.update(f"{tuple(data.shape)}".encode())
+    hasher.update(data.astype("<i8", copy=False).tobytes())
+
+
+def take_batches(loader: ShardedLoader, dataset: TokenWindows, n: int, rank: int) -> tuple[list[list[Tensor]], str]:
+    """This rank's micro-batches for the next ``n`` steps and the sha256 of the ``n`` global batches."""
+    hasher = hashlib.sha256()
+    per_rank = loader.global_batch_size // loader.world_size
+    steps = []
+    for _ in range(n):
+        global_rows = dataset.rows(loader.global_batch_indices())
+        hash_global_batch(hasher, global_rows)
+        micro = loader.next_step()
+        mine = global_rows[rank * per_rank : (rank + 1) * per_rank]
+        if not torch.equal(torch.cat(micro), mine):
+            raise RuntimeError("bench: this rank's micro-batches are not its slice of the global batch")
+        steps.append(micro)
+    return steps, hasher.hexdigest()
+
+
+# ----------------------------------------------------------------------- measurement
+
+
+class LoadTracker:
+    """Forward hooks that sum routes per expert and dropped routes of every MoE layer while ``active``."""
+
+    def __init__(self, layers: list[nn.Module], num_experts: int, device: torch.device) -> None:
+        self.active = False
+        self.counts = torch.zeros(len(layers), num_experts, device=device)
+        self.dropped = torch.zeros(len(layers), device=device)
+        self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)]
+
+    def _hook(self, i: int) -> Any:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if not self.active:
+                return
+            self.counts[i] += module.last_routing.tokens_per_expert.to(self.counts.device)
+            dropped = module.dispatcher.stats.dropped_routes
+            if dropped is not None:
+                self.dropped[i] += dropped.detach().float().sum().to(self.dropped.device)
+
+        return hook
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for h in self.handles:
+            h.remove()
+
+    def metrics(self, ep: int, group: dist.ProcessGroup | None) -> list[dict[str, float]]:
+        """Per-layer balance metrics over the whole world (every rank must call it)."""
+        return [
+            balance_metrics(self.counts[i], stats=DispatchStats(dropped_routes=self.dropped[i]), ep=ep, group=group)
+            for i in range(self.counts.shape[0])
+        ]
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end)`` intervals given in microseconds, in seconds."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total / 1e6
+
+
+def collective_seconds(prof: profile) -> float:
+    """Wall time with at least one collective in flight: ``gloo:*`` CPU events, NCCL kernels on GPU."""
+    spans = []
+    for event in prof.events():
+        name = event.name.lower()
+        on_device = event.device_type == DeviceType.CUDA
+        if (name.startswith("gloo:") and not on_device) or ("nccl" in name and on_device):
+            spans.append((float(event.time_range.start), float(event.time_range.end)))
+    return union_seconds(spans)
+
+
+def device_peak(trainer: Trainer, probe_s: float) -> tuple[float, str, dict[str, float]]:
+    """``(peak TFLOP/s per device, where it comes from, the raw probe results)``."""
+    precision = trainer.cfg.train.precision
+    if trainer.device.type == "cuda":
+        name = torch.cuda.get_device_name(trainer.device)
+        spec = device_from_cuda_name(name)
+        if spec is not None and spec.bf16_dense_tflops is not None:
+            return spec.bf16_dense_tflops, f"datasheet bf16 dense ({spec.note})", {}
+        probe = measure_matmul_tflops(torch.bfloat16, 8192, probe_s, trainer.device)
+        return probe, f"bf16 matmul probe on {name} (not in the peak table)", {"bf16": probe}
+    _barrier()
+    local = cpu_peak_tflops(min_time_s=probe_s)
+    both = torch.tensor([local["fp32"], local["bf16"]], dtype=torch.float64)
+    _all_reduce(both, dist.ReduceOp.SUM)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    measured = {"fp32": float(both[0]) / world, "bf16": float(both[1]) / world}
+    source = (
+        f"{precision} matmul probe, {torch.get_num_threads()} thread(s) per rank, "
+        f"all {world} rank(s) at once, mean over ranks"
+    )
+    return peak_tflops("cpu", precision, measured), source, measured
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[float, str]:
+    """CUDA max allocated since the last reset, or this process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0, "cpu_peak_rss"
+
+
+def dispatcher_name(trainer: Trainer) -> str:
+    """The dispatcher the MoE layers actually run (``local`` unless experts are sharded over ep)."""
+    layers = trainer.model.moe_layers()
+    if not layers:
+        return "none"
+    return type(layers[0].dispatcher).__name__.removesuffix("Dispatcher").lower()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _all_reduce(t: Tensor, op: Any) -> Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def per_rank(values: list[float], trainer: Trainer) -> list[list[float]]:
+    """``values`` of every rank, as a ``world x len(values)`` list (one all-reduce)."""
+    world = trainer.mesh.world_size
+    table = torch.zeros(world, len(values), dtype=torch.float64, device=trainer.device)
+    table[trainer.rank] = torch.tensor(values, dtype=torch.float64, device=trainer.device)
+    return _all_reduce(table, dist.ReduceOp.SUM).cpu().tolist()
+
+
+def _timed(fn: Any, device: torch.device) -> float:
+    _sync(device)
+    _barrier()
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    _barrier()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_variant(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure one variant on this rank; the returned record is complete on every rank."""
+    cfg = load_config(args.config)
+    out = Path(args.out)
+    cfg.train.run_dir = str(out / "run")
+    rss_baseline = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
+    t_setup = time.perf_counter()
+    trainer = Trainer(cfg)
+    device, mesh = trainer.device, trainer.mesh
+    setup_s = time.perf_counter() - t_setup
+    n_total = args.warmup + args.steps + (1 if args.profile else 0)
+    batches, input_hash = take_batches(trainer.loader, trainer.train_data, n_total, trainer.rank)
+    peak, peak_source, probe = device_peak(trainer, args.probe_s)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def one_step(micro: list[Tensor]) -> Any:
+        trainer.stack.set_lr(lr_at(trainer.step, cfg.train.max_steps, cfg.optim))
+        result = trainer.train_step(micro)
+        trainer.step += 1
+        return result
+
+    for i in range(args.warmup):
+        one_step(batches[i])
+    tracker = LoadTracker(trainer.model.moe_layers(), cfg.model.moe.num_experts, device)
+    losses, grad_norms, step_times, skipped = [], [], [], 0
+    _sync(device)
+    _barrier()
+    tracker.active = True
+    t0 = time.perf_counter()
+    for i in range(args.warmup, args.warmup + args.steps):
+        t_step = time.perf_counter()
+        result = one_step(batches[i])
+        _sync(device)
+        step_times.append(time.perf_counter() - t_step)
+        losses.append(result.loss)
+        grad_norms.append(result.grad_norm)
+        skipped += int(result.skipped)
+    elapsed_local = time.perf_counter() - t0
+    tracker.active = False
+    elapsed = float(_all_reduce(torch.tensor([elapsed_local], device=device), dist.ReduceOp.MAX).item())
+    layers = tracker.metrics(mesh.ep, mesh.dp_group)
+    tracker.remove()
+    mem, mem_kind = peak_memory_bytes(device)
+
+    comm_local, profiled_local = float("nan"), float("nan")
+    if args.profile:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        _barrier()
+        with profile(activities=activities) as prof:
+            t_prof = time.perf_counter()
+            one_step(batches[-1])
+            _sync(device)
+            profiled_local = time.perf_counter() - t_prof
+        comm_local = collective_seconds(prof)
+
+    save_s = load_s = ckpt_bytes = None
+    if args.checkpoint:
+        save_s = _timed(trainer.save, device)
+        load_s = _timed(trainer.maybe_resume, device)
+        ckpt_root = checkpoints_dir(cfg.train.run_dir)
+        if trainer.is_main:
+            ckpt_bytes = sum(p.stat().st_size for p in ckpt_root.rglob("*") if p.is_file())
+        _barrier()
+        if trainer.is_main:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+
+    ranks = per_rank([mem, comm_local, profiled_local], trainer)
+    seq_len, world = cfg.data.seq_len, mesh.world_size
+    tokens_per_step = cfg.train.global_batch_size * seq_len
+    tokens_per_s = tokens_per_step * args.steps / elapsed
+    per_device = tokens_per_s / world
+    tflops = model_tflops_per_s(per_device, cfg.model, seq_len)
+    counts = param_counts(cfg.model)
+    comm = [r[1] for r in ranks]
+    profiled = [r[2] for r in ranks]
+
+    def worst(key: str) -> float:
+        return max((layer.get(key, 0.0) for layer in layers), default=1.0)
+
+    return {
+        "name": args.name,
+        "world_size": world,
+        "layout": {
+            "stack": "local" if world == 1 else cfg.parallel.stack,
+            "dp": mesh.dp,
+            "ep": mesh.ep,
+            "edp": mesh.edp,
+            "dispatcher": dispatcher_name(trainer),
+            "overlap_grad_reduce": cfg.parallel.overlap_grad_reduce,
+        },
+        "precision": cfg.train.precision,
+        "random_routing": cfg.model.moe.random_routing,
+        "num_experts": cfg.model.moe.num_experts,
+        "top_k": cfg.model.moe.top_k,
+        "expert_hidden": cfg.model.moe.expert_hidden,
+        "params_total": counts["total"],
+        "params_active": counts["active"],
+        "global_batch_size": cfg.train.global_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "seq_len": seq_len,
+        "tokens_per_step": tokens_per_step,
+        "seed": cfg.train.seed,
+        "warmup_steps": args.warmup,
+        "measured_steps": args.steps,
+        "input_hash": input_hash,
+        "device": str(device.type),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads_per_rank": torch.get_num_threads(),
+        "setup_s": setup_s,
+        "elapsed_s": elapsed,
+        "step_time_s": elapsed / args.steps,
+        "step_times_s": step_times,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device,
+        "flops_per_token": flops_per_token(cfg.model, seq_len),
+        "tflops_per_device": tflops,
+        "peak_tflops": peak,
+        "peak_source": peak_source,
+        "probe_tflops": probe,
+        "mfu": tflops / peak,
+        "peak_mem_bytes": max(r[0] for r in ranks),
+        "peak_mem_bytes_per_rank": [r[0] for r in ranks],
+        "mem_kind": mem_kind,
+        "rss_before_setup_bytes": rss_baseline,
+        "comm_s": sum(comm) / len(comm) if args.profile else None,
+        "comm_s_per_rank": comm if args.profile else None,
+        "profiled_step_s": max(profiled) if args.profile else None,
+        "comm_frac": (sum(comm) / len(comm)) / max(profiled) if args.profile else None,
+        "ckpt_save_s": save_s,
+        "ckpt_load_s": load_s,
+        "ckpt_bytes": ckpt_bytes,
+        "expert_load_max_over_mean": worst("expert_imbalance"),
+        "ep_rank_load_max_over_mean": worst("rank_imbalance"),
+        # every MoE layer routes the same N * k routes, so the mean over layers is the overall fraction
+        "dropped_frac": sum(layer["dropped_frac"] for layer in layers) / len(layers) if layers else 0.0,
+        "load_per_layer": layers,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "skipped_steps": skipped,
+        "final_loss": losses[-1],
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of the worker module."""
+    p = argparse.ArgumentParser(prog="python -m moeforge.bench.worker", description=__doc__)
+    p.add_argument("--config", required=True, help="the variant's effective YAML config")
+    p.add_argument("--out", required=True, help="directory for result.json and the checkpoint")
+    p.add_argument("--name", required=True, help="variant name")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--probe-s", type=float, default=0.3, help="seconds per dtype of the CPU matmul probe")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the communication profile")
+    p.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="skip checkpoint timing")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one variant; rank 0 writes ``OUT/result.json``."""
+    args = build_parser().parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        raise SystemExit("bench worker: --warmup must be >= 0 and --steps >= 1")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    record = run_variant(args)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RESULT_FILE).write_text(json.dumps(record, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Bucketed gradient reduction for the DDP-based stack (the distributed optimizer's input).
+
+Every trainable parameter belongs to one data-parallel group: dense parameters
+(and experts when ``ep == 1``) to ``mesh.dp_group``, expert parameters under
+expert parallelism to ``mesh.edp_group`` (no group when ``edp == 1``).
+Parameters are packed, in reverse registration order (roughly the order
+backward produces them), into flat buckets of at most ``bucket_size_mb``;
+a bucket holds one group and one dtype only, and is padded so that it splits
+into ``group_size`` equal shards.
+
+Each parameter's ``.grad`` is a view into its bucket (a ``Shard(0)`` DTensor
+view for DTensor parameters), so micro-batch accumulation writes straight
+into the bucket. On the last micro-batch (``set_sync(True)``) a
+post-accumulate-grad hook marks the parameter ready; with ``overlap`` on, a
+bucket whose parameters are all ready is reduce-scattered asynchronously
+while backward continues. Buckets are always launched in the same global
+order on every rank (bucket ``i`` only after ``0..i-1``), so ranks that see
+different unused parameters (an expert that received no tokens) still issue
+identical collective sequences; :meth:`GradReducer.finish` launches whatever
+is left, treating missing gradients as zeros, and waits.
+
+The reduction is a SUM of gradients pre-scaled by ``1 / world``: the loss of
+each rank is its own mean, so the mean over the global batch is the sum over
+all ranks divided by the world size. For expert parameters the all-to-all
+backward already summed the contributions of the ep group's ranks, so the
+sum over edp followed by ``1 / world`` is again the global-batch mean.
+
+After :meth:`GradReducer.finish` only this rank's shard of each bucket
+(:attr:`GradBucket.grad_shard`) holds the reduced gradient; the rest of the
+buffer is this rank's unreduced, pre-scaled contribution. ``gloo`` in torch
+2.13 implements ``reduce_scatter`` (in place, too), so no all-reduce fallback
+is needed on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from moeforge.model.moe.experts import local_tensor
+from moeforge.parallel.mesh import MoEMesh
+
+# Names introduced in torch 2.13; older releases only have the *_tensor spellings.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+SHARD_ALIGN = 16  # elements; keeps every shard 64-byte aligned in fp32
+
+
+def is_expert_param(name: str) -> bool:
+    """Routed-expert weights (sharded over ep, reduced over edp)."""
+    return "experts.w" in name
+
+
+@dataclass
+class BucketEntry:
+    """One parameter's place in a bucket: elements ``[offset, offset + numel)``."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+
+
+class GradBucket:
+    """A flat, padded gradient buffer for parameters of one group and dtype."""
+
+    def __init__(
+        self,
+        index: int,
+        params: list[tuple[str, nn.Parameter]],
+        group: dist.ProcessGroup | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.index, self.group, self.dtype = index, group, dtype
+        self.group_size = dist.get_world_size(group) if group is not None else 1
+        self.group_rank = dist.get_rank(group) if group is not None else 0
+        self.entries: list[BucketEntry] = []
+        offset = 0
+        for name, p in params:
+            n = local_tensor(p).numel()
+            self.entries.append(BucketEntry(name, p, offset, n))
+            offset += n
+        self.numel = offset
+        align = self.group_size * SHARD_ALIGN
+        self.padded_numel = max(align, math.ceil(offset / align) * align)
+        self.shard_size = self.padded_numel // self.group_size
+        self.shard_start = self.group_rank * self.shard_size
+        self.buffer = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        self.ready: set[int] = set()
+        self.work: dist.Work | None = None
+        self.launched = False
+
+    @property
+    def grad_shard(self) -> Tensor:
+        """This rank's shard of the (after reduction: averaged) gradient buffer."""
+        return self.buffer[self.shard_start : self.shard_start + self.shard_size]
+
+    def grad_view(self, e: BucketEntry) -> Tensor:
+        """The bucket slice that backs ``e.param``'s (local) gradient."""
+        return self.buffer[e.offset : e.offset + e.numel].view(local_tensor(e.param).shape)
+
+    def shard_segments(self) -> list[tuple[BucketEntry, int, int, int]]:
+        """``(entry, start, end, shard_offset)``: the flat elements of each parameter in this rank's shard."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_size
+        out = []
+        for e in self.entries:
+            a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+            if a < b:
+                out.append((e, a - e.offset, b - e.offset, a - lo))
+        return out
+
+    def attach(self, e: BucketEntry) -> None:
+        """Make ``e.param.grad`` the bucket view, copying in (or zeroing for None) whatever it held."""
+        view = self.grad_view(e)
+        grad = e.param.grad
+        if grad is not None and local_tensor(grad).data_ptr() == view.data_ptr():
+            return
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(local_tensor(grad))
+        p = e.param
+        if isinstance(p, DTensor):
+            p.grad = DTensor.from_local(
+                view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+            )
+        else:
+            p.grad = view
+
+    def launch(self, scale: float) -> None:
+        """Pre-scale and start the asynchronous reduce-scatter (no-op collective for a group of one)."""
+        for e in self.entries:
+            self.attach(e)
+        self.buffer.mul_(scale)
+        if self.group_size > 1:
+            self.work = reduce_scatter_single(self.grad_shard, self.buffer, group=self.group, async_op=True)
+        self.launched = True
+
+    def wait(self) -> None:
+        """Block until the reduction has landed in :attr:`grad_shard`."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def reset(self) -> None:
+        """Zero the buffer (keeping the gradient views) for the next step."""
+        self.wait()
+        for e in self.entries:
+            self.attach(e)
+        self.buffer.zero_()
+        self.ready.clear()
+        self.launched = False
+
+
+def _bucket_group(name: str, mesh: MoEMesh) -> dist.ProcessGroup | None:
+    if is_expert_param(name) and mesh.ep > 1:
+        return mesh.edp_group if mesh.edp > 1 else None
+    return mesh.dp_group if mesh.dp > 1 else None
+
+
+def build_buckets(
+    named_params: Iterable[tuple[str, nn.Parameter]], mesh: MoEMesh, bucket_size_mb: float
+) -> list[GradBucket]:
+    """Pack parameters (reverse order) into buckets of one group and dtype, ordered by completion."""
+    cap = max(1, int(bucket_size_mb * 2**20))
+    open_: dict[tuple[int, torch.dtype], tuple[list, int, dist.ProcessGroup | None]] = {}
+    closed: list[tuple[list, dist.ProcessGroup | None, torch.dtype]] = []
+    ordered = list(named_params)[::-1]
+    for name, p in ordered:
+        group = _bucket_group(name, mesh)
+        dtype = local_tensor(p).dtype
+        key = (id(group), dtype)
+        members, nbytes, _ = open_.get(key, ([], 0, group))
+        size = local_tensor(p).numel() * local_tensor(p).element_size()
+        if members and nbytes + size > cap:
+            closed.append((members, group, dtype))
+            members, nbytes = [], 0
+        members.append((name, p))
+        open_[key] = (members, nbytes + size, group)
+    for (_, dtype), (members, _, group) in open_.items():
+        closed.append((members, group, dtype))
+    # A bucket completes when its earliest-registered parameter gets its gradient: sort by that position.
+    positions = {id(p): i for i, (_, p) in enumerate(ordered)}
+    closed.sort(key=lambda c: max(positions[id(p)] for _, p in c[0]))
+    device = local_tensor(ordered[0][1]).device if ordered else torch.device("cpu")
+    return [GradBucket(i, members, group, dtype, device) for i, (members, group, dtype) in enumerate(closed)]
+
+
+class GradReducer:
+    """Owns the buckets, the backward hooks and the launch order (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, mesh: MoEMesh, bucket_size_mb: float, overlap: bool) -> None:
+        seen: set[int] = set()
+        named = []
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+        self.overlap = overlap
+        self.scale = 1.0 / mesh.dp
+        self.buckets = build_buckets(named, mesh, bucket_size_mb)
+        self._sync = True
+        self._next = 0
+        self._finished = False
+        self._handles = []
+        for b in self.buckets:
+            for i, e in enumerate(b.entries):
+                b.attach(e)
+                self._handles.append(e.param.register_post_accumulate_grad_hook(self._hook(b, i)))
+
+    def _hook(self, bucket: GradBucket, i: int) -> Callable[[Tensor], None]:
+        def hook(_: Tensor) -> None:
+            bucket.attach(bucket.entries[i])
+            if not self._sync or bucket.launched:
+                return
+            bucket.ready.add(i)
+            if self.overlap and len(bucket.ready) == len(bucket.entries):
+                self._launch_in_order(force=False)
+
+        return hook
+
+    def _launch_in_order(self, force: bool) -> None:
+        """Launch buckets in index order: all remaining ones when ``force``, else while complete."""
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if not force and len(b.ready) < len(b.entries):
+                return
+            b.launch(self.scale)
+            self._next += 1
+
+    def set_sync(self, enabled: bool) -> None:
+        """Reduce during the coming backward (the last micro-batch) or only accumulate."""
+        self._sync = enabled
+
+    def finish(self) -> None:
+        """Launch every bucket not launched yet (missing grads count as zeros) and wait; idempotent."""
+        if self._finished:
+            return
+        self._launch_in_order(force=True)
+        for b in self.buckets:
+            b.wait()
+        self._finished = True
+
+    def zero(self) -> None:
+        """Zero every bucket and reset the step's bookkeeping."""
+        for b in self.buckets:
+            b.reset()
+        self._next = 0
+        self._finished = False
+        self._sync = True
+
+    def remove_hooks(self) -> None:
+        """Detach the backward hooks (the buckets stay)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

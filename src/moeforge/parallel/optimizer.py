@@ -1,0 +1,221 @@
+"""Distributed optimizer: AdamW with fp32 master weights and both moments sharded over each data-parallel group.
+
+Works on the buckets of :class:`~moeforge.parallel.grad_buckets.GradReducer`:
+every bucket is split into ``group_size`` equal shards (dense buckets over dp,
+expert buckets over expert-dp), the reduce-scatter leaves this rank's shard of
+the averaged gradient in :attr:`GradBucket.grad_shard`, and this rank keeps
+``exp_avg``/``exp_avg_sq`` (fp32) for that shard only. The update follows
+``torch.optim.AdamW`` (decoupled weight decay, bias correction, the same
+foreach kernels, so fp32 results agree to round-off), segment by segment so
+that each parameter gets its own group's ``lr``/``weight_decay``. Updated
+shards are then all-gathered back into the parameters in their own dtype.
+
+fp32 parameters are their own master weights (the shard is a view of the
+parameter, as in Megatron-Core); parameters of another dtype (bf16) get an
+fp32 master copy of this rank's shard only.
+
+The gradient norm for clipping sums the squares of every shard of every
+bucket and all-reduces once over the world: dense shards partition the dense
+parameters over all ranks and expert shards partition each ep rank's experts
+over its edp group, so every logical element is counted exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moeforge.model.moe.experts import local_tensor
+from moeforge.parallel.grad_buckets import GradBucket, GradReducer, all_gather_single
+
+_PIPELINE_DEPTH = 2  # all-gathers in flight during the weight update
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """AdamW over sharded state; ``param_groups`` (with settable ``lr``) as in torch."""
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        reducer: GradReducer,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        norm_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.reducer = reducer
+        self.norm_group = norm_group
+        self.step_count = 0
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        missing = [e.name for b in reducer.buckets for e in b.entries if id(e.param) not in group_of]
+        if missing:
+            raise ValueError(f"DistributedOptimizer: parameters {missing[:4]} are in no optimizer param group")
+        # Per bucket: (group index, entry, start, end, shard offset) of each segment of this rank's shard.
+        self._segments = [
+            [(group_of[id(e.param)], e, a, z, s) for e, a, z, s in b.shard_segments()] for b in reducer.buckets
+        ]
+        self.shard_state: list[dict[str, Tensor]] = []
+        for b in reducer.buckets:
+            st = {
+                "exp_avg": torch.zeros(b.shard_size, dtype=torch.float32, device=b.buffer.device),
+                "exp_avg_sq": torch.zeros(b.shard_size, dtype=torch.float32, device=b.buffer.device),
+            }
+            if b.dtype != torch.float32:
+                st["master"] = torch.zeros(b.shard_size, dtype=torch.float32, device=b.buffer.device)
+            self.shard_state.append(st)
+        self.load_master_weights()
+
+    @torch.no_grad()
+    def load_master_weights(self) -> None:
+        """Copy the parameters into the fp32 master shards (after loading weights into the model)."""
+        for st, segs in zip(self.shard_state, self._segments):
+            if "master" in st:
+                for _, e, a, z, s in segs:
+                    st["master"][s : s + z - a].copy_(_flat(e.param)[a:z])
+
+    # ------------------------------------------------------------------ helpers
+
+    def _master_views(self, i: int) -> list[Tensor]:
+        st = self.shard_state[i]
+        if "master" in st:
+            return [st["master"][s : s + z - a] for _, _, a, z, s in self._segments[i]]
+        return [_flat(e.param)[a:z] for _, e, a, z, _ in self._segments[i]]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (moments and fp32 masters of its shards)."""
+        return sum(t.numel() * t.element_size() for st in self.shard_state for t in st.values())
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Global L2 norm of the reduced gradients (before clipping); scale the shards when ``max_norm > 0``."""
+        self.reducer.finish()
+        shards = [b.grad_shard for b in self.reducer.buckets]
+        device = shards[0].device if shards else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for g in shards:
+            sq += g.float().square().sum()
+        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
+            dist.all_reduce(sq, group=self.norm_group)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in shards:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        """Finish the gradient reduction, update this rank's shards, all-gather the new weights."""
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step: closures are not supported")
+        self.reducer.finish()
+        self.step_count += 1
+        per_group: list[dict[str, list[Tensor]]] = [
+            {"p": [], "g": [], "m": [], "v": []} for _ in self.param_groups
+        ]
+        for i, b in enumerate(self.reducer.buckets):
+            st, grad = self.shard_state[i], b.grad_shard
+            if grad.dtype != torch.float32:
+                grad = grad.float()
+            for (gi, _, a, z, s), master in zip(self._segments[i], self._master_views(i)):
+                lists = per_group[gi]
+                lists["p"].append(master)
+                lists["g"].append(grad[s : s + z - a])
+                lists["m"].append(st["exp_avg"][s : s + z - a])
+                lists["v"].append(st["exp_avg_sq"][s : s + z - a])
+        for group, lists in zip(self.param_groups, per_group):
+            if lists["p"]:
+                self._adamw(group, lists["p"], lists["g"], lists["m"], lists["v"])
+        self._all_gather_params()
+
+    def _adamw(self, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list) -> None:
+        """torch's multi-tensor AdamW (non-capturable) on shard segments."""
+        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        beta1, beta2 = group["betas"]
+        if wd != 0:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        bias_correction1 = 1 - beta1**self.step_count
+        bias_correction2_sqrt = (1 - beta2**self.step_count) ** 0.5
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias_correction1)
+
+    def _all_gather_params(self) -> None:
+        """Write updated shards back into the parameters of every bucket (in the parameters' dtype)."""
+        pending: deque[tuple[GradBucket, Tensor, Any]] = deque()
+        for i, b in enumerate(self.reducer.buckets):
+            if b.group_size == 1 and "master" not in self.shard_state[i]:
+                continue  # the shard is the parameters themselves, already updated
+            full = torch.empty(b.padded_numel, dtype=b.dtype, device=b.buffer.device)
+            mine = full[b.shard_start : b.shard_start + b.shard_size]
+            for (_, _, a, z, s), master in zip(self._segments[i], self._master_views(i)):
+                mine[s : s + z - a].copy_(master)
+            work = None
+            if b.group_size > 1:
+                work = all_gather_single(full, mine, group=b.group, async_op=True)
+            pending.append((b, full, work))
+            if len(pending) > _PIPELINE_DEPTH:
+                _scatter_into_params(*pending.popleft())
+        while pending:
+            _scatter_into_params(*pending.popleft())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buckets (the gradients stay views of them, whatever ``set_to_none`` says)."""
+        self.reducer.zero()
+
+    # ------------------------------------------------------------------ state
+
+    def _layout(self) -> list[list[int]]:
+        return [[b.padded_numel, b.shard_size, b.group_rank] for b in self.reducer.buckets]
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's sharded state: step count, hyper-parameters, the layout and per-bucket shard tensors."""
+        return {
+            "step": self.step_count,
+            "layout": self._layout(),
+            "param_groups": [
+                {k: (list(v) if k == "betas" else v) for k, v in g.items() if k != "params"}
+                for g in self.param_groups
+            ],
+            "shards": [{k: v.clone() for k, v in st.items()} for st in self.shard_state],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore what :meth:`state_dict` returned on the same rank of the same layout."""
+        if state_dict.get("layout") != self._layout():
+            raise ValueError(
+                "optimizer state: saved with a different layout (world size, parallel.ep, "
+                "parallel.bucket_size_mb or the model changed); resume with the same settings"
+            )
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in saved.items():
+                group[k] = tuple(v) if k == "betas" else v
+        self.step_count = int(state_dict["step"])
+        for st, saved in zip(self.shard_state, state_dict["shards"]):
+            for k, t in st.items():
+                t.copy_(saved[k])
+        if any("master" in st for st in self.shard_state):
+            self._all_gather_params()
+
+
+def _flat(p: torch.nn.Parameter) -> Tensor:
+    """The flat local storage of a parameter (a view; writes update the parameter)."""
+    return local_tensor(p.detach()).view(-1)
+
+
+def _scatter_into_params(b: GradBucket, full: Tensor, work: Any) -> None:
+    if work is not None:
+        work.wait()
+    for e in b.entries:
+        _flat(e.param).copy_(full[e.offset : e.offset + e.numel])
