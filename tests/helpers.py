@@ -55,3 +55,15 @@ def tiny_config(tmp: Path, *overrides: str) -> Config:
         "--logging.progress=false",
     ]
     return load_config(None, base + list(overrides))
+
+
+def run_dispatch(dispatcher, experts, x, indices, weights, g):
+    """Dispatch, experts, combine, then backward of ``(out * g).sum()``.
+
+    Returns ``(out, x.grad, weights.grad, dispatcher state)``.
+    """
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    rows, offsets, state = dispatcher.dispatch(x, indices, weights)
+    out = dispatcher.combine(experts(rows, offsets), state)
+    (out * g).sum().backward()
+    return out.detach(), x.grad, weights.grad, state

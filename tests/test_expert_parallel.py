@@ -22,6 +22,8 @@ from moeforge.parallel.expert import make_dispatcher, parallelize_experts
 from moeforge.parallel.mesh import MoEMesh, build_mesh
 from moeforge.testing import run_distributed_test
 
+from .helpers import run_dispatch
+
 E, D, H, K = 8, 8, 4, 2  # experts, model dim, expert hidden, top-k
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -46,11 +48,8 @@ def _inputs(rank: int, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def _run(dispatcher, experts: GroupedExperts, x, indices, weights, g):
-    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
-    rows, offsets, state = dispatcher.dispatch(x, indices, weights)
-    out = dispatcher.combine(experts(rows, offsets), state)
-    (out * g).sum().backward()
-    return out.detach(), x.grad, weights.grad
+    """Output, x grad and routing-weight grad (see ``run_dispatch``)."""
+    return run_dispatch(dispatcher, experts, x, indices, weights, g)[:3]
 
 
 def _experts(w1: torch.Tensor, w2: torch.Tensor) -> GroupedExperts:

@@ -23,6 +23,8 @@ from moeforge.parallel.mesh import MoEMesh, build_mesh
 from moeforge.parallel.nosync import HostSyncDetector
 from moeforge.testing import run_distributed_test
 
+from .helpers import run_dispatch
+
 E, D, H = 8, 8, 4  # experts, model dim, expert hidden
 ROUTINGS = ("random", "one_expert", "one_rank")
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -56,12 +58,7 @@ def _inputs(rank: int, n: int, k: int, mode: str, ep: int = 2):
     return torch.randn(n, D, generator=g), indices, weights, torch.randn(n, D, generator=g)
 
 
-def _run(dispatcher, experts: GroupedExperts, x, indices, weights, g):
-    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
-    rows, offsets, state = dispatcher.dispatch(x, indices, weights)
-    out = dispatcher.combine(experts(rows, offsets), state)
-    (out * g).sum().backward()
-    return out.detach(), x.grad, weights.grad, state
+_run = run_dispatch
 
 
 def kept_by_rule(indices: torch.Tensor, ep: int, capacity: int) -> torch.Tensor:

@@ -56,15 +56,17 @@ def test_checkpoints_are_published_and_pruned(tmp_path: Path) -> None:
     root = Path(cfg.train.run_dir) / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_00000006"
     assert not list(root.glob(".tmp_*"))
-    state = json.loads((root / "step_00000006" / "trainer_state.json").read_text())
-    assert state["step"] == 6 and state["loader"]["position"] == 6
+    manifest = json.loads((root / "step_00000006" / "manifest.json").read_text())
+    state = manifest["trainer_state"]
+    assert manifest["step"] == 6 and state["step"] == 6 and state["loader"]["position"] == 6
 
 
 def test_corrupt_newest_checkpoint_falls_back(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "--train.max_steps=4", "--train.save_every=2")
     Trainer(cfg).fit()
     newest = complete_checkpoints(cfg.train.run_dir)[-1]
-    (newest / "model.pt").write_bytes(b"garbage")
+    data = sorted(newest.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:100])
     t = Trainer(tiny_config(tmp_path, "--train.max_steps=4", "--train.save_every=2"))
     assert t.maybe_resume()
     assert t.step == 2
@@ -74,7 +76,8 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "--train.max_steps=2")
     Trainer(cfg).fit()
     good = complete_checkpoints(cfg.train.run_dir)[-1]
-    before = (good / "model.pt").read_bytes()
+    data = sorted(good.glob("*.distcp"))[0]
+    before = data.read_bytes()
     cfg2 = tiny_config(tmp_path, "--train.max_steps=10", "--train.max_consecutive_skips=3")
     trainer = Trainer(cfg2)
     trainer.model.register_forward_hook(lambda m, i, o: o * float("nan"))
@@ -82,7 +85,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path: Path) -> None:
         trainer.fit()
     records = read_metrics(cfg.train.run_dir)
     assert [r["skipped"] for r in records[-3:]] == [True, True, True]
-    assert (good / "model.pt").read_bytes() == before
+    assert data.read_bytes() == before
     w = trainer.model.layers[0].self_attn.q_proj.weight
     assert torch.isfinite(w).all()
 
@@ -98,3 +101,4 @@ def test_generate_from_run(tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         generate_from_run(cfg.train.run_dir, "x", 2, 0.8, 20, seed=1)
+

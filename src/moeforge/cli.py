@@ -32,13 +32,13 @@ def _fail(msg: str) -> int:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     """Train from a config file plus dotted overrides."""
-    from moeforge.train.trainer import Trainer, final_summary
+    from moeforge.train.trainer import Trainer, step_summary
 
     cfg = load_config(args.config, overrides)
     _setup_logging(cfg.logging.level)
     trainer = Trainer(cfg)
     last = trainer.fit()
-    summary = final_summary(last)
+    summary = step_summary(last)
     sample = None
     if cfg.train.sample_prompt and cfg.train.sample_tokens:
         sample = trainer.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
@@ -82,6 +82,28 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Convert between a run directory, a Hugging Face checkpoint and one safetensors file."""
+    from moeforge.train.convert import hf_to_run, run_to_hf, run_to_safetensors
+
+    _setup_logging()
+    if args.to != "run" and (overrides or args.config):
+        return _fail(f"convert --to {args.to}: --config and overrides only apply to --to run")
+    if args.to == "hf" and args.flavor is None:
+        return _fail("convert --to hf: pass --flavor olmoe or --flavor qwen3_moe")
+    try:
+        if args.to == "hf":
+            out = run_to_hf(args.src, args.dst, args.flavor)
+        elif args.to == "safetensors":
+            out = run_to_safetensors(args.src, args.dst)
+        else:
+            out = hf_to_run(args.src, args.dst, args.config, overrides)
+    except (ValueError, FileNotFoundError) as e:  # an unsupported feature or a missing file, named
+        return _fail(f"convert: {e}")
+    sys.stdout.write(f"wrote {out}\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
     parser = argparse.ArgumentParser(prog="moeforge", description=__doc__)
@@ -112,27 +134,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
 
-    _add_optional_commands(sub)
+    p = sub.add_parser(
+        "convert",
+        help="convert checkpoints: run dir -> Hugging Face or safetensors, Hugging Face -> run dir",
+        description="--to hf: SRC is a run dir, DST a new Hugging Face directory (--flavor). "
+        "--to safetensors: SRC is a run dir, DST a .safetensors file. --to run: SRC is a Hugging Face "
+        "directory, DST a new run dir that `moeforge train DST/config.yaml` continues; data, optimizer "
+        "and training settings come from --config plus --section.field=value overrides.",
+    )
+    p.add_argument("src", help="a run directory (--to hf|safetensors) or a Hugging Face directory (--to run)")
+    p.add_argument("dst", help="output directory or file")
+    p.add_argument("--to", required=True, choices=["hf", "safetensors", "run"])
+    p.add_argument("--flavor", choices=["olmoe", "qwen3_moe"], default=None, help="Hugging Face layout (--to hf)")
+    p.add_argument("--config", default=None, help="YAML config for the new run (--to run)")
+    p.set_defaults(func=cmd_convert)
+
+    _add_bench_commands(sub)
     return parser
 
 
-def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
-    try:
-        from moeforge.bench.plan import add_plan_arguments, run_plan
-    except ImportError:
-        pass
-    else:
-        p = sub.add_parser("plan", help="parameters, FLOPs, memory and communication per layout")
-        add_plan_arguments(p)
-        p.set_defaults(func=lambda a, extra: run_plan(a) if not extra else _fail(f"plan: unexpected {extra}"))
-    try:
-        from moeforge.bench.harness import add_bench_arguments, run_bench
-    except ImportError:
-        pass
-    else:
-        p = sub.add_parser("bench", help="benchmark stacks, dispatchers and expert counts side by side")
-        add_bench_arguments(p)
-        p.set_defaults(func=lambda a, extra: run_bench(a, extra))
+def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
+    from moeforge.bench.harness import add_bench_arguments, run_bench
+    from moeforge.bench.plan import add_plan_arguments, run_plan
+
+    p = sub.add_parser("plan", help="parameters, FLOPs, memory and communication per layout")
+    add_plan_arguments(p)
+    p.set_defaults(func=lambda a, extra: run_plan(a) if not extra else _fail(f"plan: unexpected {extra}"))
+    p = sub.add_parser("bench", help="benchmark stacks, dispatchers and expert counts side by side")
+    add_bench_arguments(p)
+    p.set_defaults(func=run_bench)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -113,6 +113,8 @@ class TrainConfig:
     run_dir: str = "runs/default"
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
+    async_save: bool = False  # snapshot to CPU, write the checkpoint in a background thread
+    debug_kill_at_step: int = 0  # TEST ONLY: SIGKILL the last rank at its first save at/after this step, once
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8
     log_every: int = 10
@@ -412,7 +414,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _check(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
     _check(bool(t.run_dir), "train.run_dir", "must not be empty")
-    for name in ("save_every", "eval_every", "eval_batches", "log_every", "sample_tokens"):
+    for name in ("save_every", "eval_every", "eval_batches", "log_every", "sample_tokens", "debug_kill_at_step"):
         _check(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")
     _check(t.keep_last >= 1, "train.keep_last", "must be >= 1")
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")

@@ -42,6 +42,7 @@ ENV_KEYS = (
     "device_name",
     "device_count",
     "interconnect",
+    "load_average",
 )
 
 
@@ -128,6 +129,8 @@ def collect_env() -> dict[str, Any]:
         "device_name": device_name,
         "device_count": count,
         "interconnect": interconnect() if cuda else None,
+        # other work on the machine when the bench started (1, 5, 15 min); shared hosts are noisy
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     log.debug("environment: %s", env)
     return env

@@ -27,7 +27,6 @@ from typing import Any
 
 from moeforge.bench.env import collect_env
 from moeforge.bench.report import MXFP8_NOTE, compute_ratios, markdown_tables, write_results
-from moeforge.bench.worker import RESULT_FILE
 from moeforge.config import Config, ConfigError, load_config, save_config, validate_config
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ class Variant:
 
 def comparison_variants(kind: str, nproc: int, ep: int) -> list[Variant]:
     """The variants of ``--compare KIND``; the first is the reference the others are divided by."""
-    ddp = [f"--parallel.stack=ddp", f"--parallel.ep={ep}"]
+    ddp = ["--parallel.stack=ddp", f"--parallel.ep={ep}"]
     base = f"ddp+ep{ep}"
     if kind == "stacks":
         return [Variant("fsdp", nproc, ["--parallel.stack=fsdp", "--parallel.ep=1"]), Variant(base, nproc, ddp)]
@@ -110,7 +109,10 @@ def parse_variant(spec: str, nproc: int) -> Variant:
     overrides, procs = [], nproc
     for token in shlex.split(rest):
         if token.startswith("--nproc="):
-            procs = int(token.split("=", 1)[1])
+            value = token.split("=", 1)[1]
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--variant {name.strip()!r}: --nproc must be an integer >= 1, got {value!r}")
+            procs = int(value)
         else:
             overrides.append(token)
     return Variant(name.strip(), procs, overrides)
@@ -177,18 +179,46 @@ def resolve_config(base: Path, extra: list[str], variant: Variant, args: argpars
     return cfg
 
 
-def launch(variant: Variant, config_path: Path, vdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def cpu_threads(nproc: int) -> int:
+    """Threads of each worker process on CPU: the trainer's rule, cores split evenly."""
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def measure_cpu_peaks(nprocs: set[int], probe_s: float) -> dict[int, dict[str, float]]:
+    """The CPU matmul peak (fp32 and bf16) at each worker thread count, measured here, one at a time."""
+    import torch
+
+    from moeforge.bench.devices import cpu_peak_tflops
+
+    before = torch.get_num_threads()
+    peaks = {}
+    try:
+        for n in sorted(nprocs):
+            torch.set_num_threads(cpu_threads(n))
+            peaks[n] = cpu_peak_tflops(min_time_s=probe_s)
+            log.info("bench: CPU matmul peak with %d thread(s): %s TFLOP/s", cpu_threads(n), peaks[n])
+    finally:
+        torch.set_num_threads(before)
+    return peaks
+
+
+def launch(
+    variant: Variant, config_path: Path, vdir: Path, args: argparse.Namespace, cpu_peak: dict[str, float] | None
+) -> dict[str, Any]:
     """Run one variant under torchrun; its result, or ``{"name", "error"}`` with the log's tail."""
+    from moeforge.bench.worker import RESULT_FILE
     cmd = [
         *torchrun_command(variant.nproc), "-m", "moeforge.bench.worker",
         "--config", str(config_path), "--out", str(vdir), "--name", variant.name,
         "--warmup", str(args.warmup), "--steps", str(args.steps), "--probe-s", str(args.probe_s),
     ]
+    if cpu_peak is not None:
+        cmd += ["--cpu-peak-fp32", str(cpu_peak["fp32"]), "--cpu-peak-bf16", str(cpu_peak["bf16"])]
     if not args.profile:
         cmd.append("--no-profile")
     if not args.checkpoint:
         cmd.append("--no-checkpoint")
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // variant.nproc)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(cpu_threads(variant.nproc)))
     log_path = vdir / "log.txt"
     (vdir / RESULT_FILE).unlink(missing_ok=True)
     log.info("bench: running %s (%d process(es))", variant.name, variant.nproc)
@@ -207,6 +237,21 @@ def launch(variant: Variant, config_path: Path, vdir: Path, args: argparse.Names
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
         return {"name": variant.name, "error": f"exit code {rc} (log: {log_path})\n{tail}"}
     return json.loads(result_path.read_text())
+
+
+def command_line(args: argparse.Namespace, extra: list[str]) -> str:
+    """The ``moeforge bench`` command that reproduces this run (for the report)."""
+    parts = ["moeforge", "bench"] + ([args.config] if args.config else [])
+    if args.compare:
+        parts += ["--compare", args.compare]
+    if args.sweep:
+        parts += ["--sweep", args.sweep]
+    for spec in args.variant or []:
+        parts += ["--variant", spec]
+    parts += ["--nproc", str(args.nproc)] + (["--ep", str(args.ep)] if args.ep else [])
+    parts += ["--random-routing"] if args.random_routing else []
+    parts += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(args.out)]
+    return " ".join(shlex.quote(p) for p in [*parts, *extra])
 
 
 def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
@@ -230,13 +275,14 @@ def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
             prepare_data(cfg.data)
             prepared.add(key)
     env = collect_env()
+    peaks = measure_cpu_peaks({v.nproc for v in variants}, args.probe_s) if env["device_type"] == "cpu" else {}
     results: list[dict[str, Any]] = []
     for variant, cfg in zip(variants, configs):
         vdir = out / "variants" / safe_name(variant.name)
         vdir.mkdir(parents=True, exist_ok=True)
         config_path = vdir / "config.yaml"
         save_config(cfg, config_path)
-        result = launch(variant, config_path, vdir, args)
+        result = launch(variant, config_path, vdir, args, peaks.get(variant.nproc))
         if result.get("error"):
             log.error("bench: variant %s failed: %s", variant.name, result["error"])
         else:
@@ -252,7 +298,7 @@ def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
         )
     report = {
         "title": f"moeforge bench: {kind}",
-        "command": "moeforge bench " + " ".join(shlex.quote(a) for a in args.argv),
+        "command": command_line(args, extra),
         "config": str(base),
         "env": env,
         "variants": results,
@@ -287,10 +333,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     parser.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before it is killed")
-    parser.add_argument("--probe-s", type=float, default=0.3, help="seconds per dtype of the CPU matmul probe")
+    parser.add_argument("--probe-s", type=float, default=0.5, help="seconds per CPU matmul probe")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the profiled step that measures time in collectives")
     parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
                         help="skip timing checkpoint save and load")
     parser.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
-    parser.set_defaults(argv=[])

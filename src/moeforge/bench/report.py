@@ -112,6 +112,8 @@ def _layout(v: dict[str, Any]) -> str:
     parts.append(lay.get("dispatcher", "?"))
     if not lay.get("overlap_grad_reduce", True) and lay.get("stack") == "ddp":
         parts.append("no-overlap")
+    if v.get("random_routing"):
+        parts.append("random-routing")
     return " ".join(parts) + f" {v.get('precision', '?')}"
 
 
@@ -191,7 +193,7 @@ def markdown_report(results: dict[str, Any]) -> str:
     if results.get("command"):
         lines += ["```", results["command"], "```", ""]
     keys = ("git_commit", "git_dirty", "moeforge_version", "torch_version", "cuda_version", "nccl_version",
-            "device_name", "device_count", "cpu_count", "timestamp_utc")
+            "device_name", "device_count", "cpu_count", "load_average", "timestamp_utc")
     lines.append("environment: " + ", ".join(f"{k}={env.get(k)}" for k in keys))
     if env.get("interconnect"):
         lines += ["", "```", str(env["interconnect"]), "```"]
@@ -224,6 +226,7 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
             axes[0].annotate(f"{v['tokens_per_s_per_device'] / members[0]['tokens_per_s_per_device']:.2f}x",
                              (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
         axes[0].set_title("tokens/s per device")
+        axes[0].margins(y=0.15)
         axes[1].bar(x, [v["peak_mem_bytes"] / 1e9 for v in members], color="tab:orange")
         axes[1].set_title(f"peak memory, GB ({members[0].get('mem_kind', '')})")
         comm = [v.get("comm_s") or 0.0 for v in members]

@@ -8,9 +8,10 @@ under ``torchrun``; rank 0 writes ``D/result.json``. What one run does, in order
    loader up front and hashes them (:func:`hash_global_batch`): the hash covers
    the *global* batch, so it is the same for every world layout; each rank also
    checks that its micro-batches are its slice of that global batch.
-3. Measures the device peak: on CPU a matmul probe run concurrently on every
-   rank with the thread count training uses (averaged over ranks); on GPU the
-   datasheet table (a bf16 probe for unknown parts).
+3. Takes the device peak: on CPU the matmul probe the harness ran in this
+   bench run with this rank's thread count (or, run alone, a probe on every
+   rank at once, averaged); on GPU the datasheet table (a bf16 probe for
+   parts not in it).
 4. Runs ``warmup`` steps, then ``steps`` timed steps (wall clock, the slowest
    rank counts), with forward hooks summing each MoE layer's routes per expert
    and dropped routes.
@@ -18,7 +19,8 @@ under ``torchrun``; rank 0 writes ``D/result.json``. What one run does, in order
    the wall time during which at least one collective was in flight (union of
    ``gloo:*`` events on CPU, of NCCL kernels on GPU). It is kept out of the
    throughput numbers, since profiling slows the step.
-6. Saves a checkpoint with ``trainer.save()`` and loads it with
+6. Saves a checkpoint with ``trainer.save()`` (until written, also with
+   ``train.async_save``; the blocking part is recorded apart) and loads it with
    ``trainer.maybe_resume()``, timing each between barriers.
 """
 
@@ -47,7 +49,6 @@ from moeforge.bench.flops import flops_per_token, model_tflops_per_s, param_coun
 from moeforge.config import load_config
 from moeforge.data import ShardedLoader, TokenWindows
 from moeforge.model.moe.dispatch import DispatchStats
-from moeforge.train.checkpoint import checkpoints_dir
 from moeforge.train.schedule import lr_at
 from moeforge.train.trainer import Trainer
 
@@ -144,8 +145,13 @@ def collective_seconds(prof: profile) -> float:
     return union_seconds(spans)
 
 
-def device_peak(trainer: Trainer, probe_s: float) -> tuple[float, str, dict[str, float]]:
-    """``(peak TFLOP/s per device, where it comes from, the raw probe results)``."""
+def device_peak(trainer: Trainer, probe_s: float, given: dict[str, float] | None = None) -> tuple[float, str, dict]:
+    """``(peak TFLOP/s per device, where it comes from, the probe results)``.
+
+    On CPU ``given`` (``{"fp32", "bf16"}`` measured by the harness in the same
+    bench run, with this rank's thread count) is used when present; otherwise
+    every rank runs the probe at once and the mean over ranks is taken.
+    """
     precision = trainer.cfg.train.precision
     if trainer.device.type == "cuda":
         name = torch.cuda.get_device_name(trainer.device)
@@ -154,16 +160,17 @@ def device_peak(trainer: Trainer, probe_s: float) -> tuple[float, str, dict[str,
             return spec.bf16_dense_tflops, f"datasheet bf16 dense ({spec.note})", {}
         probe = measure_matmul_tflops(torch.bfloat16, 8192, probe_s, trainer.device)
         return probe, f"bf16 matmul probe on {name} (not in the peak table)", {"bf16": probe}
+    threads = torch.get_num_threads()
+    if given is not None:
+        source = f"{precision} matmul probe of this bench run, {threads} thread(s), one process at a time"
+        return peak_tflops("cpu", precision, given), source, dict(given)
     _barrier()
     local = cpu_peak_tflops(min_time_s=probe_s)
     both = torch.tensor([local["fp32"], local["bf16"]], dtype=torch.float64)
     _all_reduce(both, dist.ReduceOp.SUM)
     world = dist.get_world_size() if dist.is_initialized() else 1
     measured = {"fp32": float(both[0]) / world, "bf16": float(both[1]) / world}
-    source = (
-        f"{precision} matmul probe, {torch.get_num_threads()} thread(s) per rank, "
-        f"all {world} rank(s) at once, mean over ranks"
-    )
+    source = f"{precision} matmul probe, {threads} thread(s) per rank, all {world} rank(s) at once, mean over ranks"
     return peak_tflops("cpu", precision, measured), source, measured
 
 
@@ -206,6 +213,13 @@ def per_rank(values: list[float], trainer: Trainer) -> list[list[float]]:
     return _all_reduce(table, dist.ReduceOp.SUM).cpu().tolist()
 
 
+def _wait_for_save(trainer: Trainer) -> None:
+    """Join an asynchronous checkpoint write (``train.async_save``), if one is in flight."""
+    manager = getattr(trainer, "checkpointer", None)
+    if manager is not None and hasattr(manager, "wait"):
+        manager.wait()
+
+
 def _timed(fn: Any, device: torch.device) -> float:
     _sync(device)
     _barrier()
@@ -231,7 +245,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     setup_s = time.perf_counter() - t_setup
     n_total = args.warmup + args.steps + (1 if args.profile else 0)
     batches, input_hash = take_batches(trainer.loader, trainer.train_data, n_total, trainer.rank)
-    peak, peak_source, probe = device_peak(trainer, args.probe_s)
+    given = None
+    if args.cpu_peak_fp32 is not None and args.cpu_peak_bf16 is not None:
+        given = {"fp32": args.cpu_peak_fp32, "bf16": args.cpu_peak_bf16}
+    peak, peak_source, probe = device_peak(trainer, args.probe_s, given)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -275,16 +292,17 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             profiled_local = time.perf_counter() - t_prof
         comm_local = collective_seconds(prof)
 
-    save_s = load_s = ckpt_bytes = None
+    save_s = save_blocking_s = load_s = ckpt_bytes = None
     if args.checkpoint:
-        save_s = _timed(trainer.save, device)
+        saved: list[Path] = []
+        save_blocking_s = _timed(lambda: saved.append(trainer.save()), device)
+        save_s = save_blocking_s + _timed(lambda: _wait_for_save(trainer), device)
         load_s = _timed(trainer.maybe_resume, device)
-        ckpt_root = checkpoints_dir(cfg.train.run_dir)
         if trainer.is_main:
-            ckpt_bytes = sum(p.stat().st_size for p in ckpt_root.rglob("*") if p.is_file())
+            ckpt_bytes = sum(p.stat().st_size for p in saved[0].rglob("*") if p.is_file())
         _barrier()
         if trainer.is_main:
-            shutil.rmtree(ckpt_root, ignore_errors=True)
+            shutil.rmtree(saved[0].parent, ignore_errors=True)  # the run's checkpoints directory
 
     ranks = per_rank([mem, comm_local, profiled_local], trainer)
     seq_len, world = cfg.data.seq_len, mesh.world_size
@@ -330,7 +348,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "threads_per_rank": torch.get_num_threads(),
         "setup_s": setup_s,
         "elapsed_s": elapsed,
-        "step_time_s": elapsed / args.steps,
         "step_times_s": step_times,
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device,
@@ -349,6 +366,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "profiled_step_s": max(profiled) if args.profile else None,
         "comm_frac": (sum(comm) / len(comm)) / max(profiled) if args.profile else None,
         "ckpt_save_s": save_s,
+        "ckpt_save_blocking_s": save_blocking_s,
         "ckpt_load_s": load_s,
         "ckpt_bytes": ckpt_bytes,
         "expert_load_max_over_mean": worst("expert_imbalance"),
@@ -372,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--probe-s", type=float, default=0.3, help="seconds per dtype of the CPU matmul probe")
+    p.add_argument("--cpu-peak-fp32", type=float, default=None, help="CPU fp32 peak TFLOP/s measured by the harness")
+    p.add_argument("--cpu-peak-bf16", type=float, default=None, help="CPU bf16 peak TFLOP/s measured by the harness")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the communication profile")
     p.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="skip checkpoint timing")
     return p

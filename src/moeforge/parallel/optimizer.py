@@ -18,6 +18,12 @@ The gradient norm for clipping sums the squares of every shard of every
 bucket and all-reduces once over the world: dense shards partition the dense
 parameters over all ranks and expert shards partition each ep rank's experts
 over its edp group, so every logical element is counted exactly once.
+
+Two state-dict APIs: :meth:`DistributedOptimizer.state_dict` is per rank and
+bound to the bucket layout (a quick in-memory copy); the topology-neutral one,
+:meth:`DistributedOptimizer.sharded_state_dict`, keys the state by parameter
+FQN with full logical shapes (the same keys torch AdamW has), each rank's flat
+shard exposed as DCP-shardable pieces (:mod:`moeforge.parallel.flat_shards`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moeforge.model.moe.experts import local_tensor
-from moeforge.parallel.grad_buckets import GradBucket, GradReducer, all_gather_single
+from moeforge.parallel.flat_shards import sharded_flat_tensor
+from moeforge.parallel.grad_buckets import BucketEntry, GradBucket, GradReducer, all_gather_single
 
 _PIPELINE_DEPTH = 2  # all-gathers in flight during the weight update
 
@@ -191,6 +198,53 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "shards": [{k: v.clone() for k, v in st.items()} for st in self.shard_state],
         }
 
+    def sharded_state_dict(self, copy: bool = False) -> dict[str, dict[str, Tensor]]:
+        """``{fqn: {"exp_avg", "exp_avg_sq", "step"[, "master"]}}``, topology-neutral.
+
+        Moments and fp32 masters (present only for non-fp32 parameters) have
+        the parameter's full logical shape; this rank holds only its shard of
+        each, as ``ShardedTensor`` pieces that are views of the optimizer's
+        buffers (so ``torch.distributed.checkpoint.load`` fills them in place;
+        finish with :meth:`load_sharded_state_dict`). ``step`` is a 0-d fp32
+        tensor as in torch AdamW. ``copy=True`` snapshots the buffers to CPU
+        first, for a save that runs while training goes on. Every logical
+        element is owned by exactly one rank, so DCP writes each once.
+        """
+        out: dict[str, dict[str, Tensor]] = {}
+        step = torch.tensor(float(self.step_count), dtype=torch.float32)
+        for b, st in zip(self.reducer.buckets, self.shard_state):
+            bufs = {k: (v.detach().to("cpu", copy=True) if copy else v) for k, v in st.items()}
+            lo = b.shard_start
+            for e in b.entries:
+                a, z = max(lo, e.offset), min(lo + b.shard_size, e.offset + e.numel)
+                entry: dict[str, Tensor] = {"step": step.clone()}
+                if a < z:
+                    shape, owners, shift = _global_owners(b, e)
+                    rng = (shift + a - e.offset, shift + z - e.offset)
+                    for k, buf in bufs.items():
+                        entry[k] = sharded_flat_tensor(buf[a - lo : z - lo], shape, rng, owners)
+                out[e.name] = entry
+        return out
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict[str, dict[str, Tensor]]) -> None:
+        """Finish a load into the tensors of :meth:`sharded_state_dict` (after DCP filled them).
+
+        Parameters whose entry lacks ``"master"`` (a checkpoint from fp32
+        parameters) take their master from the (already loaded) parameter.
+        """
+        steps = {int(v["step"].item()) for v in state.values() if "step" in v}
+        if len(steps) > 1:
+            raise ValueError(f"optimizer state: parameters disagree on the step count {sorted(steps)}")
+        self.step_count = steps.pop() if steps else 0
+        for st, segs in zip(self.shard_state, self._segments):
+            if "master" in st:
+                for _, e, a, z, s in segs:
+                    if "master" not in state.get(e.name, {}):
+                        st["master"][s : s + z - a].copy_(_flat(e.param)[a:z])
+        if any("master" in st for st in self.shard_state):
+            self._all_gather_params()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore what :meth:`state_dict` returned on the same rank of the same layout."""
         if state_dict.get("layout") != self._layout():
@@ -212,6 +266,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
 def _flat(p: torch.nn.Parameter) -> Tensor:
     """The flat local storage of a parameter (a view; writes update the parameter)."""
     return local_tensor(p.detach()).view(-1)
+
+
+def _global_owners(b: GradBucket, e: BucketEntry) -> tuple[list[int], list[tuple[int, int, int]], int]:
+    """``(global shape, [(global rank, flat start, flat end)], this rank's flat shift)`` of ``e``'s state.
+
+    The group's rank ``j`` owns bucket elements ``[j*S, (j+1)*S)``. A DTensor
+    (``Shard(0)`` over the ep mesh, ep innermost in the world mesh) adds the
+    other ep ranks: their local tensors are the next slabs of the flat global
+    tensor and their edp peers sit at the same distance in global ranks.
+    """
+    p = e.param
+    me = dist.get_rank()
+    local_numel = e.numel
+    if hasattr(p, "device_mesh"):
+        ep_ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]  # type: ignore[union-attr]
+    else:
+        ep_ranks = [me]
+    mine = ep_ranks.index(me)
+    owners = []
+    for j in range(b.group_size):
+        a, z = max(j * b.shard_size, e.offset), min((j + 1) * b.shard_size, e.offset + e.numel)
+        if a >= z:
+            continue
+        peer = dist.get_global_rank(b.group, j) if b.group is not None else me
+        for i, r in enumerate(ep_ranks):
+            shift = i * local_numel - e.offset
+            owners.append((peer + r - ep_ranks[mine], shift + a, shift + z))
+    return list(p.shape), owners, mine * local_numel
 
 
 def _scatter_into_params(b: GradBucket, full: Tensor, work: Any) -> None:

@@ -1,201 +1,316 @@
-"""Checkpoints in the run dir: write to a temporary directory, verify, then publish atomically.
+"""Distributed checkpoints with ``torch.distributed.checkpoint``: save (sync or async), resume, fall back.
 
-Layout: ``RUN/checkpoints/step_00000100/`` holding ``model.pt`` (full tensors,
-written by rank 0), ``optim_rank{r}.pt`` and ``rng_rank{r}.pt`` (one per rank),
-``trainer_state.json`` (step, loader state, counters) and a ``COMPLETE``
-marker written last. ``RUN/checkpoints/latest`` names the newest published
-one. Everything loads with ``torch.load(weights_only=True)``: no arbitrary
-objects are unpickled. A crash at any moment leaves the previous checkpoint
-loadable; resume picks the newest complete one.
+:class:`CheckpointManager` writes the canonical state of
+:mod:`moeforge.train.checkpoint_state` with DCP into a temporary directory and
+publishes it with the protocol of :mod:`moeforge.train.checkpoint_store`.
+With ``async_save`` the blocking part is a CPU snapshot of the state; a
+background thread runs DCP (over its own gloo process group, so it never
+interleaves with training collectives) and the publication, and the next save
+or :meth:`CheckpointManager.wait` joins it. Resuming picks the newest complete
+checkpoint that verifies and loads on every rank; rank 0 decides and
+broadcasts, so all ranks load the same one. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+
+from moeforge.parallel.flat_shards import quiet_sharded_tensor
+from moeforge.train.checkpoint_state import (
+    MODEL,
+    OPTIM,
+    check_model_keys,
+    finish_optimizer_load,
+    flatten_counters,
+    logical_shape,
+    model_state,
+    optimizer_state,
+    rng_state,
+    set_rng_state,
+    snapshot,
+    unflatten_counters,
+)
+from moeforge.train.checkpoint_store import (
+    COMPLETE,
+    CheckpointError,
+    CheckpointMismatchError,
+    SafeFileSystemReader,
+    checkpoints_dir,
+    clean_stale,
+    complete_checkpoints,
+    phase,
+    publish,
+    read_manifest,
+    read_metadata,
+    step_name,
+    tmp_dir,
+    verify_checkpoint,
+)
+
+__all__ = [
+    "COMPLETE", "CheckpointError", "CheckpointManager", "CheckpointMismatchError", "SaveStats",
+    "checkpoints_dir", "complete_checkpoints", "load_checkpoint_into", "load_full_state_dict",
+    "load_model_state", "newest_loadable", "verify_checkpoint", "write_model_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
-COMPLETE = "COMPLETE"
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file."""
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+@dataclass
+class SaveStats:
+    """What one save cost: seconds training was blocked, seconds until published, bytes written."""
+
+    step: int
+    blocking_s: float
+    total_s: float = float("nan")
+    bytes: int = 0
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def load_checkpoint_into(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, template: dict[str, Any]
+) -> dict[str, Any]:
+    """Load ``path`` into the live model and optimizer (all ranks); returns the trainer state shaped like ``template``.
+
+    The optimizer starts fresh when the checkpoint has no optimizer state (one
+    converted from Hugging Face); RNG states are restored for ranks the
+    checkpoint has. Raises :class:`CheckpointMismatchError` listing every key
+    and shape that does not fit the model.
+    """
+    saved = read_metadata(path).state_dict_metadata
+    entries = model_state(model)
+    check_model_keys(entries, saved, f"checkpoint {path}")
+    state: dict[str, Any] = dict(entries)
+    optim: dict[str, Tensor] = {}
+    if optimizer is not None and any(k.startswith(OPTIM) for k in saved):
+        optim = {k: v for k, v in optimizer_state(optimizer, model).items()
+                 if k in saved or not k.endswith(".master")}
+        bad = sorted(k for k, v in optim.items() if k not in saved or tuple(saved[k].size) != logical_shape(v))
+        if bad:
+            raise CheckpointMismatchError(f"checkpoint {path}: optimizer state lacks or misshapes {bad[:8]}")
+        state.update(optim)
+    elif optimizer is not None:
+        log.info("checkpoint %s has no optimizer state; the optimizer starts fresh", path)
+    counters = {k: v for k, v in flatten_counters(template).items() if k in saved}
+    rng = {k: v for k, v in rng_state(_rank()).items() if k in saved and tuple(saved[k].size) == tuple(v.shape)}
+    state.update(counters)
+    state.update(rng)
+    with quiet_sharded_tensor():
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not _dist())
+    if optimizer is not None:
+        finish_optimizer_load(optimizer, optim)
+    set_rng_state(rng)
+    return unflatten_counters(template, counters)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Model state with DTensors gathered to full tensors (a collective when distributed)."""
-    out = {}
-    for k, v in model.state_dict().items():
-        if hasattr(v, "full_tensor"):
-            v = v.full_tensor()
-        out[k] = v.detach().cpu()
-    return out
+class CheckpointManager:
+    """Saves and resumes the checkpoints of one run directory; every rank creates one and calls it alike."""
+
+    def __init__(self, run_dir: str | Path, keep_last: int = 2, async_save: bool = False,
+                 device: torch.device | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.root = checkpoints_dir(run_dir)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.device = device or torch.device("cpu")
+        self.rank = _rank()
+        self._pending: Future[SaveStats] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._group = None
+        if async_save:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeforge-ckpt")
+            if _dist():
+                self._group = dist.new_group(backend="gloo")
+        if self.rank == 0 and self.root.is_dir():
+            clean_stale(self.root)
+        if _dist():
+            dist.barrier()
+        self.last_save: SaveStats | None = None
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             trainer_state: dict[str, Any]) -> SaveStats:
+        """Checkpoint ``step``; returns after the snapshot (async) or the publication (sync)."""
+        self.wait()
+        t0 = time.perf_counter()
+        copy = self.async_save
+        state: dict[str, Any] = {k: (snapshot(v) if copy else v) for k, v in model_state(model).items()}
+        if optimizer is not None:
+            state.update(optimizer_state(optimizer, model, copy=copy))
+        state.update(flatten_counters(trainer_state))
+        state.update(rng_state(self.rank))
+        manifest = {"world_size": dist.get_world_size() if _dist() else 1, "trainer_state": trainer_state}
+        tmp = tmp_dir(self.root, step)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        if self._executor is not None:
+            stats = SaveStats(step, blocking_s=time.perf_counter() - t0)
+            self._pending = self._executor.submit(self._write, tmp, state, step, manifest, t0, stats)
+            log.info("checkpoint %s: training blocked %.3fs (snapshot); writing in the background",
+                     step_name(step), stats.blocking_s)
+            return stats
+        stats = SaveStats(step, blocking_s=float("nan"))
+        self._write(tmp, state, step, manifest, t0, stats)
+        stats.blocking_s = stats.total_s
+        return stats
+
+    def _write(self, tmp: Path, state: dict[str, Any], step: int, manifest: dict[str, Any], t0: float,
+               stats: SaveStats) -> SaveStats:
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1,
+                                      overwrite=True)
+        phase("staged")
+        with quiet_sharded_tensor():
+            dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not _dist())
+        if self.rank == 0:
+            final = publish(tmp, self.root, step, manifest, self.keep_last)
+            stats.bytes = int(read_manifest(final)["bytes"])
+        if _dist():
+            dist.barrier(group=self._group)
+        stats.total_s = time.perf_counter() - t0
+        self.last_save = stats
+        if self.rank == 0:
+            log.info("saved checkpoint %s: blocking %.3fs, total %.3fs, %d bytes",
+                     step_name(step), stats.blocking_s if self._executor else stats.total_s,
+                     stats.total_s, stats.bytes)
+        return stats
+
+    def wait(self) -> SaveStats | None:
+        """Join the save in flight (re-raising its error); returns its stats."""
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        return pending.result()
+
+    def close(self) -> None:
+        """Wait for the save in flight and stop the background thread."""
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    # ---------------------------------------------------------------- resume
+
+    def _agree_step(self, step: int) -> int:
+        if not _dist():
+            return step
+        t = torch.tensor([step], dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=0)
+        return int(t.item())
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not _dist():
+            return ok
+        t = torch.tensor([int(ok)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               template: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+        """Load the newest complete checkpoint that verifies and loads everywhere; None if there is none.
+
+        A corrupt checkpoint is skipped with a warning naming the file; a
+        checkpoint that does not fit the model raises :class:`CheckpointMismatchError`.
+        """
+        self.wait()
+        rejected: set[str] = set()
+        while True:
+            step = -1
+            if self.rank == 0:
+                for path in reversed(complete_checkpoints(self.run_dir)):
+                    if path.name in rejected:
+                        continue
+                    try:
+                        step = int(verify_checkpoint(path)["step"])
+                        break
+                    except CheckpointError as e:
+                        log.warning("%s; falling back to the previous checkpoint", e)
+                        rejected.add(path.name)
+            step = self._agree_step(step)
+            if step < 0:
+                return None
+            path = self.root / step_name(step)
+            t0 = time.perf_counter()
+            error: Exception | None = None
+            try:
+                state = load_checkpoint_into(path, model, optimizer, template)
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:
+                error = e
+            if self._all_ok(error is None):
+                nbytes = int(read_manifest(path)["bytes"])
+                log.info("loaded checkpoint %s in %.3fs (%d bytes)", path, time.perf_counter() - t0, nbytes)
+                return path, state
+            if self.rank == 0:
+                log.warning("checkpoint %s could not be loaded (%s); falling back to the previous checkpoint",
+                            path, error or "failed on another rank")
+            rejected.add(path.name)
 
 
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into the model, slicing into DTensor parameters' local shards."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = [
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-        for k in own
-        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
-    ]
-    if missing or unexpected or wrong:
-        raise CheckpointError(
-            "checkpoint does not match the model config: "
-            + "; ".join(
-                part
-                for part in (
-                    f"missing keys {missing}" if missing else "",
-                    f"unexpected keys {unexpected}" if unexpected else "",
-                    f"shape mismatches {wrong}" if wrong else "",
-                )
-                if part
-            )
-        )
-    with torch.no_grad():
-        for k, target in own.items():
-            src = state[k]
-            if hasattr(target, "to_local"):
-                from torch.distributed.tensor import distribute_tensor
-
-                src = distribute_tensor(src.to(target.dtype), target.device_mesh, target.placements)
-                target.to_local().copy_(src.to_local())
-            else:
-                target.copy_(src.to(target.dtype))
+# ------------------------------------------------------------- single process
 
 
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    """Where a run's checkpoints live."""
-    return Path(run_dir) / "checkpoints"
-
-
-def _step_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_file(obj: Any, path: Path) -> None:
-    with path.open("wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    model: nn.Module,
-    optim_state: dict[str, Any],
-    trainer_state: dict[str, Any],
-    keep_last: int = 2,
-) -> Path:
-    """Write, verify and publish the checkpoint of ``step``; every rank must call it."""
-    rank, world = _rank_world()
-    root = checkpoints_dir(run_dir)
-    final = root / _step_name(step)
-    tmp = root / f".tmp_{_step_name(step)}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
-    model_state = full_state_dict(model)
-    if rank == 0:
-        _save_file(model_state, tmp / "model.pt")
-    _save_file(optim_state, tmp / f"optim_rank{rank}.pt")
-    _save_file({"cpu": torch.get_rng_state()}, tmp / f"rng_rank{rank}.pt")
-    _barrier()
-    if rank == 0:
-        expected = ["model.pt"] + [f"optim_rank{r}.pt" for r in range(world)]
-        expected += [f"rng_rank{r}.pt" for r in range(world)]
-        absent = [name for name in expected if not (tmp / name).is_file()]
-        if absent:
-            raise CheckpointError(f"checkpoint {tmp}: ranks did not write {absent}")
-        state = dict(trainer_state, step=step, world_size=world)
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        (tmp / COMPLETE).write_text("ok\n")
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, root / "latest")
-        _fsync_dir(root)
-        _prune(root, keep_last)
-    _barrier()
-    return final
-
-
-def _prune(root: Path, keep_last: int) -> None:
-    done = complete_checkpoints(root.parent)
-    for path in done[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Published checkpoints (with their COMPLETE marker), oldest first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
-
-
-def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict, dict, dict, dict]:
-    """Read ``(model_state, optim_state, rng_state, trainer_state)``; CheckpointError names a bad file."""
-    def _load(name: str) -> Any:
-        f = path / name
-        try:
-            return torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint file {f} is unreadable ({type(e).__name__}: {e})") from e
-
-    try:
-        trainer_state = json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is unreadable: {e}") from e
-    return _load("model.pt"), _load(f"optim_rank{rank}.pt"), _load(f"rng_rank{rank}.pt"), trainer_state
+def load_model_state(path: str | Path) -> dict[str, Tensor]:
+    """Full model tensors of a checkpoint directory, read in this process alone (no process group)."""
+    path = Path(path)
+    verify_checkpoint(path, checksums=False)
+    saved = read_metadata(path).state_dict_metadata
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for k, md in saved.items() if k.startswith(MODEL)}
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    return {k[len(MODEL) :]: v for k, v in state.items()}
 
 
 def newest_loadable(run_dir: str | Path, rank: int = 0) -> tuple[Path, tuple[dict, dict, dict, dict]] | None:
-    """The newest complete checkpoint that loads; falls back to older ones with a warning."""
+    """``(path, (model_state, {}, {}, trainer_state))`` of the newest checkpoint that verifies (one process).
+
+    Kept for single-process readers such as ``moeforge generate``; training resumes with
+    :meth:`CheckpointManager.resume`.
+    """
     for path in reversed(complete_checkpoints(run_dir)):
         try:
-            return path, load_checkpoint(path, rank)
+            manifest = verify_checkpoint(path)
+            return path, (load_model_state(path), {}, {}, dict(manifest.get("trainer_state", {})))
         except CheckpointError as e:
             log.warning("%s; falling back to the previous checkpoint", e)
     return None
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy full tensors into ``model`` (DTensor parameters get their shard); one error lists every mismatch."""
+    from moeforge.interop.safetensors_io import load_state_checked
+
+    try:
+        load_state_checked(model, state, "checkpoint")
+    except ValueError as e:
+        raise CheckpointMismatchError(str(e)) from e
+
+
+def write_model_checkpoint(run_dir: str | Path, model: nn.Module, step: int = 0,
+                           trainer_state: dict[str, Any] | None = None) -> Path:
+    """Publish a weights-only checkpoint (the optimizer starts fresh on resume), e.g. from Hugging Face."""
+    state = trainer_state if trainer_state is not None else {"step": step}
+    manager = CheckpointManager(run_dir, keep_last=1_000_000)
+    manager.save(step, model, None, state)
+    return checkpoints_dir(run_dir) / step_name(step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, 
 from moeforge.model import MoETransformer, build_model
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.stack import TrainingStack, build_stack
-from moeforge.train.checkpoint import load_full_state_dict, newest_loadable, save_checkpoint
+from moeforge.train.checkpoint import CheckpointManager
+from moeforge.train.checkpoint_store import checkpoints_dir, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, init_distributed, pick_device
 from moeforge.train.metrics import MetricsWriter
@@ -180,37 +182,42 @@ class Trainer:
     # ------------------------------------------------------------- checkpoints
 
     def trainer_state(self) -> dict[str, Any]:
-        """JSON-able counters and loader position."""
+        """JSON-able step, counters and loader position (checkpointed as int64 tensors)."""
         return {
+            "step": self.step,
             "tokens_seen": self.tokens_seen,
             "consecutive_skips": self.consecutive_skips,
             "skipped_steps": self.skipped_steps,
             "loader": self.loader.state_dict(),
         }
 
+    def _checkpointer(self) -> CheckpointManager:
+        """The run's checkpoint manager, created on first use (a collective: all ranks call save/resume alike)."""
+        if getattr(self, "checkpointer", None) is None:
+            t = self.cfg.train
+            self.checkpointer = CheckpointManager(self.run_dir, t.keep_last, t.async_save, self.device)
+        return self.checkpointer
+
     def save(self) -> Path:
-        """Checkpoint the current step (all ranks)."""
-        t0 = time.perf_counter()
-        path = save_checkpoint(
-            self.run_dir,
-            self.step,
-            self.model,
-            self.stack.optimizer.state_dict(),
-            self.trainer_state(),
-            keep_last=self.cfg.train.keep_last,
-        )
-        log.info("saved checkpoint %s in %.2fs", path.name, time.perf_counter() - t0)
-        return path
+        """Checkpoint the current step (all ranks); the final step's save is waited for even when async."""
+        k = self.cfg.train.debug_kill_at_step
+        if k and self.step >= k and self.rank == self.mesh.world_size - 1:
+            marker = self.run_dir / f".debug_killed_at_step_{k}"
+            if not marker.exists():  # test only: die once, as a crashed rank would (docs/checkpoints.md)
+                marker.write_text(f"rank {self.rank} killed itself at step {self.step}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+        manager = self._checkpointer()
+        manager.save(self.step, self.model, self.stack.optimizer, self.trainer_state())
+        if self.step >= self.cfg.train.max_steps:
+            manager.wait()
+        return checkpoints_dir(self.run_dir) / step_name(self.step)
 
     def maybe_resume(self) -> bool:
-        """Load the newest complete checkpoint of the run dir, if any."""
-        found = newest_loadable(self.run_dir, self.rank)
+        """Load the newest complete checkpoint of the run dir, if any (all ranks load the same one)."""
+        found = self._checkpointer().resume(self.model, self.stack.optimizer, self.trainer_state())
         if found is None:
             return False
-        path, (model_state, optim_state, rng, state) = found
-        load_full_state_dict(self.model, model_state)
-        self.stack.optimizer.load_state_dict(optim_state)
-        torch.set_rng_state(rng["cpu"])
+        path, state = found
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.consecutive_skips = int(state["consecutive_skips"])
@@ -279,9 +286,14 @@ class Trainer:
             last = record
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(
+                    loss=f"{result.loss:.3f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    rank_imb=f"{record.get('moe/rank_imbalance', 1.0):.2f}",
+                    drop=f"{record.get('moe/dropped_frac', 0.0):.3f}",
+                )
             elif self.is_main and cfg.train.log_every and self.step % cfg.train.log_every == 0:
-                log.info("step %d loss %.4f tok/s %.0f", self.step, result.loss, record["tokens_per_s"])
+                log.info("%s", step_summary(record))
             if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or is_last:
                 self.save()
         if bar is not None:
@@ -300,10 +312,20 @@ class Trainer:
         return tok.decode(out[0].tolist())
 
 
-def final_summary(record: dict[str, Any]) -> str:
-    """One line for the console at the end of a run."""
+def step_summary(record: dict[str, Any]) -> str:
+    """One console line: loss, validation, balance (per expert and per ep rank), drops, throughput."""
     parts = [f"step {record.get('step')}", f"loss {record.get('loss', math.nan):.4f}"]
     if "val_bpb" in record:
         parts.append(f"val_loss {record['val_loss']:.4f}")
         parts.append(f"val_bpb {record['val_bpb']:.4f}")
+    for key, label in (
+        ("moe/expert_imbalance", "expert max/mean"),
+        ("moe/rank_imbalance", "ep-rank max/mean"),
+        ("moe/dropped_frac", "dropped"),
+        ("aux_loss", "aux"),
+    ):
+        if key in record:
+            parts.append(f"{label} {record[key]:.3f}")
+    if "tokens_per_s" in record:
+        parts.append(f"tok/s {record['tokens_per_s']:.0f}")
     return " | ".join(parts)

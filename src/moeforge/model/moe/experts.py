@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from moeforge.ops import grouped_mm, grouped_mm_loop
 
 
 def local_tensor(t: Tensor) -> Tensor:
     """The rank-local part of a (possibly DTensor) parameter."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GroupedExperts(nn.Module):

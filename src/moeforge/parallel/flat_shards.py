@@ -1,0 +1,105 @@
+"""Flat shard ranges as pieces that ``torch.distributed.checkpoint`` can save and reshard.
+
+The distributed optimizer keeps each rank's part of a parameter's state as a
+contiguous range ``[start, end)`` of the parameter's *flattened* (row-major)
+tensor. DCP only knows hyper-rectangular chunks, so a flat range is cut into
+at most ``2 * ndim - 1`` boxes: a partial innermost row, full rows, and so on
+outward and back (:func:`flat_range_boxes`). Every box of a contiguous range
+is itself contiguous, so each is a *view* of the flat buffer: saving writes
+this rank's elements only, loading copies straight into the optimizer's shard
+buffers. The pieces are wrapped in a ``ShardedTensor`` with the parameter's
+full logical shape, built from metadata this rank computes for every owner
+(no communication). ``ShardedTensor`` is the one DCP-native container that
+allows several irregular chunks per rank; torch marks it deprecated in favour
+of DTensor, which cannot express these chunks, so its FutureWarnings are
+silenced here and in the checkpoint code that touches it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+Box = tuple[list[int], list[int], int]  # (offsets, sizes, flat start of the box)
+
+
+@contextmanager
+def quiet_sharded_tensor() -> Iterator[None]:
+    """Silence torch's ShardedTensor deprecation warnings (see the module docstring)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        yield
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
+    """Cut elements ``[start, end)`` of a row-major tensor of ``shape`` into boxes, in flat order."""
+    shape = list(shape)
+    out: list[Box] = []
+    if not shape:
+        return [([], [], 0)] if start < end else []
+
+    def rec(dim: int, prefix: list[int], a: int, z: int, base: int) -> None:
+        if a >= z:
+            return
+        rest = len(shape) - dim - 1
+        if rest == 0:
+            out.append(([*prefix, a], [1] * dim + [z - a], base + a))
+            return
+        inner = math.prod(shape[dim + 1 :])
+        r0, r1 = a // inner, (z - 1) // inner
+        if r0 == r1:
+            rec(dim + 1, [*prefix, r0], a - r0 * inner, z - r0 * inner, base + r0 * inner)
+            return
+        lo, hi = r0, r1 + 1
+        if a % inner:
+            rec(dim + 1, [*prefix, r0], a - r0 * inner, inner, base + r0 * inner)
+            lo = r0 + 1
+        tail = z - r1 * inner
+        if tail < inner:
+            hi = r1
+        if hi > lo:
+            out.append((prefix + [lo] + [0] * rest, [1] * dim + [hi - lo] + shape[dim + 1 :], base + lo * inner))
+        if tail < inner:
+            rec(dim + 1, [*prefix, r1], 0, tail, base + r1 * inner)
+
+    rec(0, [], start, end, 0)
+    return out
+
+
+def sharded_flat_tensor(
+    flat: Tensor,
+    global_shape: Sequence[int],
+    local_range: tuple[int, int],
+    owners: Sequence[tuple[int, int, int]],
+) -> Tensor:
+    """A ``ShardedTensor`` of ``global_shape`` whose local pieces are views of ``flat``.
+
+    ``flat`` holds elements ``local_range = (start, end)`` of the flattened
+    global tensor on this rank; ``owners`` lists ``(global rank, start, end)``
+    for every rank's range (this rank's included), which together must cover
+    the tensor exactly once.
+    """
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    device = flat.device
+    rank = torch.distributed.get_rank()
+    metas, local = [], []
+    for owner, a, z in owners:
+        for offsets, sizes, _ in flat_range_boxes(global_shape, a, z):
+            metas.append(ShardMetadata(offsets, sizes, placement=f"rank:{owner}/{device}"))
+    start, end = local_range
+    for offsets, sizes, first in flat_range_boxes(global_shape, start, end):
+        n = math.prod(sizes)
+        view = flat[first - start : first - start + n].view(sizes)
+        local.append(Shard(view, ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")))
+    props = TensorProperties(dtype=flat.dtype, requires_grad=False)
+    meta = ShardedTensorMetadata(metas, torch.Size(global_shape), props)
+    with quiet_sharded_tensor():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)

@@ -1,0 +1,157 @@
+"""The canonical, topology-neutral content of a checkpoint: one flat dict of tensors for DCP.
+
+Keys (FQN = the parameter's name in ``model.named_parameters()``):
+
+- ``model.<FQN or buffer name>``: every parameter and persistent buffer (router
+  ``expert_bias`` included) with its full logical shape. Plain tensors are
+  replicated (DCP writes them once), DTensors (experts under ep, everything
+  under FSDP) are written by their owners.
+- ``optim.<FQN>.exp_avg`` / ``.exp_avg_sq``: AdamW moments, fp32, the
+  parameter's logical shape; ``.step``: 0-d fp32 (as torch AdamW keeps it);
+  ``.master``: fp32 master weights, only for parameters that are not fp32.
+  torch AdamW (local and FSDP stacks) and the distributed optimizer (whose flat
+  shards become DCP pieces) write and read the same keys.
+- ``train.<name>``: integer counters and the loader position (0-d int64),
+  from the trainer's JSON-able state; the LR schedule is a function of ``train.step``.
+- ``rng.rank<r>.cpu`` (and ``.cuda``): each rank's generator state.
+
+Optimizer hyper-parameters (lr, betas, eps, weight decay) come from the config,
+not the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from moeforge.parallel.optimizer import DistributedOptimizer
+from moeforge.train.checkpoint_store import CheckpointMismatchError
+
+MODEL, OPTIM, TRAIN, RNG = "model.", "optim.", "train.", "rng."
+
+
+def snapshot(t: Tensor) -> Tensor:
+    """A CPU copy that training cannot change (a DTensor stays a DTensor over the same mesh)."""
+    if isinstance(t, DTensor):
+        local = t.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
+                                  run_check=False)
+    return t.detach().to("cpu", copy=True)
+
+
+def logical_shape(t: Tensor) -> tuple[int, ...]:
+    """The full (global) shape of a tensor, DTensor or ShardedTensor."""
+    return tuple(t.shape if not hasattr(t, "metadata") else t.metadata().size)  # type: ignore[operator]
+
+
+def model_state(model: nn.Module) -> dict[str, Tensor]:
+    """``model.*`` entries that alias the live parameters and buffers."""
+    return {MODEL + k: v for k, v in model.state_dict().items()}
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create torch AdamW's per-parameter state as its first step would (zeros, step 0)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, copy: bool = False) -> dict[str, Tensor]:
+    """``optim.*`` entries; views of the live state unless ``copy``."""
+    out: dict[str, Tensor] = {}
+    if isinstance(optimizer, DistributedOptimizer):
+        for fqn, entry in optimizer.sharded_state_dict(copy=copy).items():
+            for k, v in entry.items():
+                out[f"{OPTIM}{fqn}.{k}"] = v
+        return out
+    _ensure_adam_state(optimizer)
+    names = _param_names(model)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                v = optimizer.state[p][k]
+                out[f"{OPTIM}{names[id(p)]}.{k}"] = snapshot(v) if copy else v
+    return out
+
+
+def finish_optimizer_load(optimizer: torch.optim.Optimizer, loaded: dict[str, Tensor]) -> None:
+    """After DCP filled the ``optim.*`` tensors in place: let the optimizer take them up."""
+    if isinstance(optimizer, DistributedOptimizer):
+        nested: dict[str, dict[str, Tensor]] = {}
+        for key, v in loaded.items():
+            fqn, kind = key[len(OPTIM) :].rsplit(".", 1)
+            nested.setdefault(fqn, {})[kind] = v
+        optimizer.load_sharded_state_dict(nested)
+
+
+def flatten_counters(state: dict[str, Any], prefix: str = TRAIN) -> dict[str, Tensor]:
+    """Nested dict of ints/floats -> ``train.a.b`` 0-d tensors (int64 / float64)."""
+    out: dict[str, Tensor] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(flatten_counters(v, f"{prefix}{k}."))
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"trainer state {prefix}{k}: only numbers are checkpointed, got {type(v).__name__}")
+        else:
+            out[prefix + k] = torch.tensor(v, dtype=torch.int64 if isinstance(v, int) else torch.float64)
+    return out
+
+
+def unflatten_counters(template: dict[str, Any], tensors: dict[str, Tensor], prefix: str = TRAIN) -> dict[str, Any]:
+    """The inverse of :func:`flatten_counters`, shaped like ``template`` (whose values fill missing keys)."""
+    out: dict[str, Any] = {}
+    for k, v in template.items():
+        if isinstance(v, dict):
+            out[k] = unflatten_counters(v, tensors, f"{prefix}{k}.")
+        else:
+            t = tensors.get(prefix + k)
+            out[k] = v if t is None else (int(t.item()) if t.dtype == torch.int64 else float(t.item()))
+    return out
+
+
+def rng_state(rank: int) -> dict[str, Tensor]:
+    """This rank's generator states."""
+    out = {f"{RNG}rank{rank}.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[f"{RNG}rank{rank}.cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(loaded: dict[str, Tensor]) -> None:
+    """Restore the generator states loaded by :func:`rng_state`'s keys."""
+    for key, v in loaded.items():
+        if key.endswith(".cpu"):
+            torch.set_rng_state(v)
+        elif key.endswith(".cuda"):
+            torch.cuda.set_rng_state(v)
+
+
+def check_model_keys(model_entries: dict[str, Tensor], saved: dict[str, Any], source: str) -> None:
+    """One error listing every missing key, unexpected key and shape mismatch of the model part."""
+    saved_model = {k: v for k, v in saved.items() if k.startswith(MODEL)}
+    missing = sorted(k[len(MODEL) :] for k in model_entries if k not in saved_model)
+    unexpected = sorted(k[len(MODEL) :] for k in saved_model if k not in model_entries)
+    shapes = sorted(
+        f"{k[len(MODEL):]}: checkpoint {tuple(saved_model[k].size)} vs model {logical_shape(v)}"
+        for k, v in model_entries.items()
+        if k in saved_model and tuple(saved_model[k].size) != logical_shape(v)
+    )
+    if missing or unexpected or shapes:
+        parts = [f"missing keys {missing}" if missing else "",
+                 f"unexpected keys {unexpected}" if unexpected else "",
+                 f"shape mismatches {shapes}" if shapes else ""]
+        raise CheckpointMismatchError(
+            f"{source} does not match the model config: " + "; ".join(p for p in parts if p)
+            + ". Resume with the model section the checkpoint was written with (RUN/config.yaml)."
+        )
