@@ -32,10 +32,20 @@ def bench_config(tmp: Path) -> Path:
     """A tiny config file (synthetic corpus, 2 layers, 4 experts) for real bench launches."""
     sources = write_corpus(tmp / "corpus", n_docs=4, words_per_doc=1500)
     cfg = {
-        "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
-                  "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32}},
-        "data": {"sources": sources, "data_dir": str(tmp / "data"), "bpe_vocab_size": 300, "seq_len": 32,
-                 "val_fraction": 0.2},
+        "model": {
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": 32,
+            "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
+        },
+        "data": {
+            "sources": sources,
+            "data_dir": str(tmp / "data"),
+            "bpe_vocab_size": 300,
+            "seq_len": 32,
+            "val_fraction": 0.2,
+        },
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "precision": "fp32"},
         "logging": {"progress": False},
     }
@@ -47,8 +57,24 @@ def bench_config(tmp: Path) -> Path:
 def test_compare_stacks_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """fsdp vs ddp+ep2, two processes each, real tokens: results.json, equal hashes, ratios, md, png."""
     out = tmp_path / "out"
-    rc = main(["bench", str(bench_config(tmp_path)), "--compare", "stacks", "--nproc", "2", "--warmup", "1",
-               "--steps", "2", "--probe-s", "0.05", "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            str(bench_config(tmp_path)),
+            "--compare",
+            "stacks",
+            "--nproc",
+            "2",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--probe-s",
+            "0.05",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     results = json.loads((out / "results.json").read_text())
@@ -62,7 +88,8 @@ def test_compare_stacks_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
         assert v["tokens_per_s"] > 0 and v["tokens_per_s_per_device"] == pytest.approx(v["tokens_per_s"] / 2)
         assert v["tokens_per_s"] == pytest.approx(v["tokens_per_step"] * 2 / v["elapsed_s"])
         assert 0 < v["mfu"] and v["tflops_per_device"] == pytest.approx(
-            v["tokens_per_s_per_device"] * v["flops_per_token"] / 1e12)
+            v["tokens_per_s_per_device"] * v["flops_per_token"] / 1e12
+        )
         assert v["peak_mem_bytes"] > 50e6 and v["mem_kind"] == "cpu_peak_rss"
         assert v["comm_s"] > 0 and 0 < v["comm_frac"] <= 1
         assert v["ckpt_save_s"] > 0 and v["ckpt_load_s"] > 0 and v["ckpt_bytes"] > 0
@@ -108,9 +135,19 @@ def test_input_hash_is_layout_independent(tmp_path: Path) -> None:
 
 
 def _fake(name: str, tps: float, input_hash: str) -> dict:
-    return {"name": name, "tokens_per_s": tps, "tokens_per_s_per_device": tps / 2, "tflops_per_device": 0.1,
-            "mfu": 0.2, "peak_mem_bytes": 1e9, "comm_s": 0.1, "input_hash": input_hash, "world_size": 2,
-            "layout": {"stack": "ddp", "ep": 2, "dispatcher": "alltoall"}, "precision": "fp32"}
+    return {
+        "name": name,
+        "tokens_per_s": tps,
+        "tokens_per_s_per_device": tps / 2,
+        "tflops_per_device": 0.1,
+        "mfu": 0.2,
+        "peak_mem_bytes": 1e9,
+        "comm_s": 0.1,
+        "input_hash": input_hash,
+        "world_size": 2,
+        "layout": {"stack": "ddp", "ep": 2, "dispatcher": "alltoall"},
+        "precision": "fp32",
+    }
 
 
 def test_report_refuses_different_input_hashes(tmp_path: Path) -> None:
@@ -122,8 +159,7 @@ def test_report_refuses_different_input_hashes(tmp_path: Path) -> None:
     ratios = compute_ratios([a, b, c], "fsdp", "compare stacks")
     assert ratios["tokens_per_s"] == {"fsdp": 1.0, "ddp+ep2": 2.5}
     assert [e["name"] for e in ratios["excluded"]] == ["other"]
-    results = {"env": {}, "variants": [a, b, c, {"name": "broken", "error": "exit code 1\nboom"}],
-               "ratios": ratios}
+    results = {"env": {}, "variants": [a, b, c, {"name": "broken", "error": "exit code 1\nboom"}], "ratios": ratios}
     md = markdown_tables(results)
     first, second = md.split("**Warning:**")
     assert "| ddp+ep2 |" in first and "2.50x" in first and "| other |" not in first
@@ -159,8 +195,9 @@ def test_variants_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     custom = parse_variant("one: --parallel.stack=ddp --nproc=1", 2)
     assert (custom.name, custom.nproc, custom.overrides) == ("one", 1, ["--parallel.stack=ddp"])
     out = tmp_path / "out"
-    rc = main(["bench", str(bench_config(tmp_path)), "--sweep", "num_experts=4,3", "--out", str(out),
-               "--parallel.ep=2"])
+    rc = main(
+        ["bench", str(bench_config(tmp_path)), "--sweep", "num_experts=4,3", "--out", str(out), "--parallel.ep=2"]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "variant 'E=3'" in err and "parallel.ep" in err
     assert not out.exists()

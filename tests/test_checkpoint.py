@@ -40,8 +40,14 @@ from moeforge.train.trainer import Trainer
 from .helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["--train.max_steps=4", "--train.save_every=2", "--train.global_batch_size=16", "--train.micro_batch_size=4",
-        "--model.moe.bias_update_rate=0.01", "--train.eval_batches=1"]
+BASE = [
+    "--train.max_steps=4",
+    "--train.save_every=2",
+    "--train.global_batch_size=16",
+    "--train.micro_batch_size=4",
+    "--model.moe.bias_update_rate=0.01",
+    "--train.eval_batches=1",
+]
 LAYOUTS = {
     "single": [],
     "ddp2": ["--parallel.ep=2"],
@@ -91,9 +97,17 @@ def _four_ranks(cfgs: dict) -> None:
 
 def test_resharding_and_exact_resume(tmp_path: Path) -> None:
     # Configs are built here: tiny_config rewrites the corpus, which ranks must not race on.
-    runs = {"single": "single", "ddp2": "ddp2", "ddp2_resumed": "ddp2", "single_to_ddp2": "ddp2",
-            "ddp2_to_fsdp": "fsdp", "fsdp": "fsdp", "fsdp_to_ddp2": "ddp2", "ddp2_to_ddp4": "ddp4",
-            "ddp2_to_single": "single"}
+    runs = {
+        "single": "single",
+        "ddp2": "ddp2",
+        "ddp2_resumed": "ddp2",
+        "single_to_ddp2": "ddp2",
+        "ddp2_to_fsdp": "fsdp",
+        "fsdp": "fsdp",
+        "fsdp_to_ddp2": "ddp2",
+        "ddp2_to_ddp4": "ddp4",
+        "ddp2_to_single": "single",
+    }
     cfgs = {run: _cfg(tmp_path, run, layout) for run, layout in runs.items()}
     cfgs["ddp2_half"] = _cfg(tmp_path, "ddp2_resumed", "ddp2", "--train.max_steps=2", "--train.async_save=true")
     cfgs["ddp2_resumed"] = _cfg(tmp_path, "ddp2_resumed", "ddp2", "--train.async_save=true")
@@ -165,9 +179,19 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "restart", "ddp2", "--train.debug_kill_at_step=3")
     ensure_data(cfg, True)
     save_config(cfg, tmp_path / "restart.yaml")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-           "--monitor-interval=0.2", "--standalone",
-           "-m", "moeforge", "train", str(tmp_path / "restart.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--monitor-interval=0.2",
+        "--standalone",
+        "-m",
+        "moeforge",
+        "train",
+        str(tmp_path / "restart.yaml"),
+    ]
     # torch's launcher shares its rendezvous store with the workers by default, and on a restart the
     # gloo workers then read the dead attempt's addresses; a store per attempt avoids that.
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -190,8 +214,10 @@ def test_flat_range_boxes_tile_the_range() -> None:
         full = torch.arange(n).view(shape)
         for a in range(n):
             for z in range(a + 1, n + 1):
-                pieces = [full[tuple(slice(o, o + s) for o, s in zip(off, sz))].reshape(-1)
-                          for off, sz, _ in flat_range_boxes(shape, a, z)]
+                pieces = [
+                    full[tuple(slice(o, o + s) for o, s in zip(off, sz))].reshape(-1)
+                    for off, sz, _ in flat_range_boxes(shape, a, z)
+                ]
                 assert torch.equal(torch.cat(pieces), torch.arange(a, z)), (shape, a, z)
                 assert len(pieces) <= 2 * len(shape) - 1
 
@@ -222,8 +248,9 @@ def test_async_save_blocks_less_than_sync_and_loads_the_same(tmp_path: Path) -> 
     assert stats.blocking_s < sync.total_s, (stats, sync)
     assert stats.blocking_s < stats.total_s
     fresh, fresh_opt = _model_and_optimizer(tmp_path, *big, "--train.seed=1")
-    found = CheckpointManager(tmp_path / "async").resume(fresh, fresh_opt, {"step": 0, "loader": {"epoch": 0,
-                                                                                               "position": 0}})
+    found = CheckpointManager(tmp_path / "async").resume(
+        fresh, fresh_opt, {"step": 0, "loader": {"epoch": 0, "position": 0}}
+    )
     assert found is not None and found[1] == state
     for (k, a), b in zip(model.named_parameters(), fresh.parameters()):  # the snapshot, not the later change
         torch.testing.assert_close(a.detach() - 1.0, b.detach(), rtol=0, atol=1e-6, msg=k)
@@ -306,8 +333,21 @@ def test_convert_to_hf_safetensors_and_back(tmp_path: Path, flavor: str, qk_norm
         assert torch.equal(single.eval()(ids), want)
 
     new_run = tmp_path / "from_hf"
-    assert main(["convert", str(tmp_path / "hf"), str(new_run), "--to", "run", "--config",
-                 str(run / "config.yaml"), "--train.max_steps=3"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "hf"),
+                str(new_run),
+                "--to",
+                "run",
+                "--config",
+                str(run / "config.yaml"),
+                "--train.max_steps=3",
+            ]
+        )
+        == 0
+    )
     trainer = Trainer(load_config(new_run / "config.yaml"))
     assert trainer.maybe_resume() and trainer.step == 0
     with torch.no_grad():

@@ -50,28 +50,42 @@ def test_end_to_end_subprocess(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     run = [sys.executable, "-m", "moeforge"]
     common = [
-        f"--data.data_dir={data_dir}", "--data.bpe_vocab_size=300", "--data.seq_len=32",
+        f"--data.data_dir={data_dir}",
+        "--data.bpe_vocab_size=300",
+        "--data.seq_len=32",
         "--data.val_fraction=0.25",
     ]
-    p = subprocess.run(
-        [*run, "prepare", "--sources", *sources, *common], capture_output=True, text=True, timeout=120
-    )
+    p = subprocess.run([*run, "prepare", "--sources", *sources, *common], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "prepared" in p.stdout and (data_dir / "meta.json").is_file()
     train = [
-        *run, "train", DEMO, *common, f"--train.run_dir={tmp_path / 'run'}",
+        *run,
+        "train",
+        DEMO,
+        *common,
+        f"--train.run_dir={tmp_path / 'run'}",
         "--data.sources=[" + ",".join(sources) + "]",
-        "--model.d_model=32", "--model.n_layers=1", "--model.n_heads=2", "--model.max_seq_len=64",
-        "--model.moe.expert_hidden=16", "--train.max_steps=3", "--train.global_batch_size=4",
-        "--train.micro_batch_size=2", "--train.eval_batches=1", "--train.sample_prompt=the",
-        "--train.sample_tokens=5", "--logging.progress=false",
+        "--model.d_model=32",
+        "--model.n_layers=1",
+        "--model.n_heads=2",
+        "--model.max_seq_len=64",
+        "--model.moe.expert_hidden=16",
+        "--train.max_steps=3",
+        "--train.global_batch_size=4",
+        "--train.micro_batch_size=2",
+        "--train.eval_batches=1",
+        "--train.sample_prompt=the",
+        "--train.sample_tokens=5",
+        "--logging.progress=false",
     ]
     p = subprocess.run(train, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "val_bpb" in p.stdout and "--- sample ---" in p.stdout
     p = subprocess.run(
         [*run, "generate", str(tmp_path / "run"), "--prompt", "the king", "--max-tokens", "5"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("the king")

@@ -50,7 +50,7 @@ def test_layout_checks_need_world_size() -> None:
     with pytest.raises(ConfigError, match=r"^parallel.ep: must divide the world size"):
         validate_layout(cfg, 3)
     cfg = load_config(CFG, ["--parallel.ep=2", "--model.moe.dispatcher=local"])
-    with pytest.raises(ConfigError, match="^model.moe.dispatcher"):
+    with pytest.raises(ConfigError, match=r"^model\.moe\.dispatcher"):
         validate_layout(cfg, 2)
 
 

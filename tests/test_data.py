@@ -267,9 +267,7 @@ def test_token_ids_beyond_the_vocab_are_rejected_and_leave_no_complete_dir(tmp_p
     # "world" has id 999 in a 4-token vocabulary: ids are not contiguous.
     tok = word_level_tokenizer(tmp_path / "gappy.json", {"[UNK]": 0, EOS_TOKEN: 1, "hello": 2, "world": 999})
     assert Tokenizer.from_file(tok).vocab_size == 4
-    with pytest.raises(
-        DataError, match=r"doc0.txt: tokenizer .*gappy.json produced token id 999 >= its vocab"
-    ):
+    with pytest.raises(DataError, match=r"doc0.txt: tokenizer .*gappy.json produced token id 999 >= its vocab"):
         prepare_data(cfg_for(tmp_path, corpus, tokenizer=str(tok)))
     # The failed re-prepare removed the stale meta first and left no temp files behind.
     assert sorted(p.name for p in good.data_dir.iterdir()) == ["tokenizer.json", "train.bin", "val.bin"]
@@ -365,9 +363,7 @@ def test_rank_shards_are_disjoint_and_union_to_the_global_batch(tmp_path, world_
     ds = arange_windows(tmp_path, 3 * 50 + 1, seq_len=3)
     G = 8
     single = run_loader(ShardedLoader(ds, G, G // 2, seed=11), 13)
-    per_rank = [
-        run_loader(ShardedLoader(ds, G, micro, r, world_size, seed=11), 13) for r in range(world_size)
-    ]
+    per_rank = [run_loader(ShardedLoader(ds, G, micro, r, world_size, seed=11), 13) for r in range(world_size)]
     for step in range(13):
         shards = [per_rank[r][step] for r in range(world_size)]
         assert all(len(s) == G // world_size for s in shards)

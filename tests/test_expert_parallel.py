@@ -95,12 +95,8 @@ def _check_dispatcher(mesh: MoEMesh, mode: str) -> None:
 
 
 def _tiny_model_config(num_experts: int) -> ModelConfig:
-    moe = MoEConfig(
-        num_experts=num_experts, top_k=2, expert_hidden=8, aux_loss_coef=0.01, bias_update_rate=1e-3
-    )
-    return ModelConfig(
-        vocab_size=32, d_model=16, n_layers=2, n_heads=2, dense_hidden=16, max_seq_len=16, moe=moe
-    )
+    moe = MoEConfig(num_experts=num_experts, top_k=2, expert_hidden=8, aux_loss_coef=0.01, bias_update_rate=1e-3)
+    return ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, dense_hidden=16, max_seq_len=16, moe=moe)
 
 
 def _batch(rank: int) -> torch.Tensor:

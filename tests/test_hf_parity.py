@@ -167,8 +167,7 @@ def test_from_hf_reads_shards_and_fused_expert_layouts(tmp_path):
         d.mkdir()
         hf.config.to_json_file(d / "config.json")
         tensors = {
-            k: (v.transpose(1, 2) if transpose and ".experts." in k else v).contiguous()
-            for k, v in state.items()
+            k: (v.transpose(1, 2) if transpose and ".experts." in k else v).contiguous() for k, v in state.items()
         }
         save_file(tensors, str(d / "model.safetensors"))
         _assert_same_logits(hf, from_hf(d))

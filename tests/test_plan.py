@@ -139,9 +139,7 @@ def test_json_schema_and_layouts(capsys: pytest.CaptureFixture[str]) -> None:
         assert lay["dp"] == 64
         mem = lay["memory"]
         assert set(mem) >= {"weights", "gradients", "optimizer", "activations", "total", "total_checkpointed"}
-        assert mem["total"] == pytest.approx(
-            mem["weights"] + mem["gradients"] + mem["optimizer"] + mem["activations"]
-        )
+        assert mem["total"] == pytest.approx(mem["weights"] + mem["gradients"] + mem["optimizer"] + mem["activations"])
         assert mem["activations_checkpointed"] < mem["activations"]
         assert lay["comm_bytes"]["total"] > 0
         assert isinstance(lay["fits"], bool)
@@ -151,9 +149,7 @@ def test_json_schema_and_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(a["memory"]["weights"] > b["memory"]["weights"] for a, b in itertools.pairwise(ddp))
     a2a = [lay["comm_bytes"]["all_to_all"] for lay in ddp]
     assert a2a[0] == 0 and all(a < b for a, b in itertools.pairwise(a2a))
-    assert {round(lay["memory"]["optimizer"]) for lay in plan["layouts"]} == {
-        round(plan["params_total"] * 12 / 64)
-    }
+    assert {round(lay["memory"]["optimizer"]) for lay in plan["layouts"]} == {round(plan["params_total"] * 12 / 64)}
 
 
 def test_memory_and_comm_by_hand(tmp_path: Path) -> None:

@@ -28,14 +28,25 @@ VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 64, 16, 8, 2, 5
 DEAD_EXPERTS = (2, 3)
 
 
-def tiny_config(stack: str = "ddp", ep: int = 1, overlap: bool = True, bucket_mb: float = 25.0,
-                dead_experts: bool = False) -> Config:
+def tiny_config(
+    stack: str = "ddp", ep: int = 1, overlap: bool = True, bucket_mb: float = 25.0, dead_experts: bool = False
+) -> Config:
     """A 2-layer, 4-expert top-2 fp32 model with clipping active and weight decay on."""
     cfg = Config()
     cfg.model = ModelConfig(
-        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, dense_hidden=64, max_seq_len=SEQ,
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, dispatcher="alltoall",
-                      bias_update_rate=1e-3 if dead_experts else 0.0),
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        dense_hidden=64,
+        max_seq_len=SEQ,
+        moe=MoEConfig(
+            num_experts=4,
+            top_k=2,
+            expert_hidden=32,
+            dispatcher="alltoall",
+            bias_update_rate=1e-3 if dead_experts else 0.0,
+        ),
     )
     cfg.data.seq_len = SEQ
     cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip = 1e-2, 0.1, 0.5
@@ -69,9 +80,15 @@ def loss_fn(model: MoETransformer, batch: Tensor) -> Tensor:
     return loss
 
 
-def train_steps(stack: TrainingStack, batches: list[Tensor], micro: int, rank: int, world: int,
-                max_norm: float, early_launches: list[int] | None = None,
-                ) -> tuple[list[float], list[float], Tensor]:
+def train_steps(
+    stack: TrainingStack,
+    batches: list[Tensor],
+    micro: int,
+    rank: int,
+    world: int,
+    max_norm: float,
+    early_launches: list[int] | None = None,
+) -> tuple[list[float], list[float], Tensor]:
     """Run one optimizer step per global batch, this rank taking its slice in ``micro`` micro-batches.
 
     Returns per-step global losses, grad norms and the routes per expert of the last step (summed).
@@ -108,10 +125,7 @@ def train_steps(stack: TrainingStack, batches: list[Tensor], micro: int, rank: i
 
 def full_params(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter as a full plain tensor (collective for DTensors: call on every rank)."""
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def reference(cfg: Config, world: int, dead_experts: bool) -> tuple[list[float], list[float], dict]:

@@ -17,8 +17,7 @@ from moeforge.train.trainer import Trainer, TrainingError
 
 from .helpers import tiny_config
 
-KEYS = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
-        "expert_load_max_over_mean"}
+KEYS = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s", "expert_load_max_over_mean"}
 
 
 def test_loss_falls_and_metrics_are_written(tmp_path: Path) -> None:
@@ -99,6 +98,5 @@ def test_generate_from_run(tmp_path: Path) -> None:
     shutil.rmtree(Path(cfg.train.run_dir) / "checkpoints")
     from moeforge.train.checkpoint import CheckpointError
 
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+    with pytest.raises(CheckpointError, match="no loadable checkpoint"):
         generate_from_run(cfg.train.run_dir, "x", 2, 0.8, 20, seed=1)
-

@@ -75,9 +75,7 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         return _fail(f"generate: unexpected arguments {overrides}")
     _setup_logging()
-    text = generate_from_run(
-        args.run_dir, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed
-    )
+    text = generate_from_run(args.run_dir, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed)
     sys.stdout.write(text + "\n")
     return 0
 

@@ -236,9 +236,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(
-                f"{prefix}{key}: unknown key; known keys here are {sorted(names)}"
-            )
+            raise ConfigError(f"{prefix}{key}: unknown key; known keys here are {sorted(names)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value or {}, f"{prefix}{key}.")

@@ -64,9 +64,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     embedding = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     norms = cfg.n_layers * (2 * d + attn_norms) + d
     expert = n_moe * expert_per_layer
-    non_expert_matmul = (
-        cfg.n_layers * attn_matmul + n_moe * (router_per_layer + shared_per_layer) + n_dense * dense_ffn
-    )
+    non_expert_matmul = cfg.n_layers * attn_matmul + n_moe * (router_per_layer + shared_per_layer) + n_dense * dense_ffn
     total = embedding + norms + expert + non_expert_matmul
     # Same rounding as moeforge.model.count_params.
     active_expert = round(expert * moe.top_k / moe.num_experts)

@@ -207,10 +207,23 @@ def launch(
 ) -> dict[str, Any]:
     """Run one variant under torchrun; its result, or ``{"name", "error"}`` with the log's tail."""
     from moeforge.bench.worker import RESULT_FILE
+
     cmd = [
-        *torchrun_command(variant.nproc), "-m", "moeforge.bench.worker",
-        "--config", str(config_path), "--out", str(vdir), "--name", variant.name,
-        "--warmup", str(args.warmup), "--steps", str(args.steps), "--probe-s", str(args.probe_s),
+        *torchrun_command(variant.nproc),
+        "-m",
+        "moeforge.bench.worker",
+        "--config",
+        str(config_path),
+        "--out",
+        str(vdir),
+        "--name",
+        variant.name,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--probe-s",
+        str(args.probe_s),
     ]
     if cpu_peak is not None:
         cmd += ["--cpu-peak-fp32", str(cpu_peak["fp32"]), "--cpu-peak-bf16", str(cpu_peak["bf16"])]
@@ -256,13 +269,14 @@ def command_line(args: argparse.Namespace, extra: list[str]) -> str:
 
 def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
     """Run every variant, write results.json / results.md / plots into ``--out`` and print the table."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.warmup < 0 or args.steps < 1:
         raise ConfigError(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
     variants, kind, reference = plan_variants(args)
-    base = Path(args.config) if args.config else default_config(
-        args.compare if args.compare else ("sweep" if args.sweep else None)
+    base = (
+        Path(args.config)
+        if args.config
+        else default_config(args.compare if args.compare else ("sweep" if args.sweep else None))
     )
     out = Path(args.out)
     configs = [resolve_config(base, extra, v, args) for v in variants]  # every mistake before any launch
@@ -317,15 +331,32 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "Benchmark named variants of CONFIG, each in its own torchrun launch, on identical token batches. "
         "Extra --section.field=value overrides apply to every variant."
     )
-    parser.add_argument("config", nargs="?", default=None,
-                        help="YAML config (default: configs/bench/stacks.yaml, experts.yaml for --sweep)")
-    parser.add_argument("--compare", choices=COMPARISONS, default=None,
-                        help="stacks: fsdp vs ddp+ep; dispatchers: alltoall vs rowwise; overlap: gradient "
-                        "reduction overlap off vs on; precision: fp32 vs bf16; routing: learned vs random")
-    parser.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
-                        help="one variant per value, e.g. num_experts=8,32,128 (relative to the first)")
-    parser.add_argument("--variant", action="append", default=None, metavar="'NAME: --a.b=1 [--nproc=N]'",
-                        help="a custom variant (repeatable)")
+    parser.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="YAML config (default: configs/bench/stacks.yaml, experts.yaml for --sweep)",
+    )
+    parser.add_argument(
+        "--compare",
+        choices=COMPARISONS,
+        default=None,
+        help="stacks: fsdp vs ddp+ep; dispatchers: alltoall vs rowwise; overlap: gradient "
+        "reduction overlap off vs on; precision: fp32 vs bf16; routing: learned vs random",
+    )
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        metavar="KEY=V1,V2,...",
+        help="one variant per value, e.g. num_experts=8,32,128 (relative to the first)",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        metavar="'NAME: --a.b=1 [--nproc=N]'",
+        help="a custom variant (repeatable)",
+    )
     parser.add_argument("--nproc", type=int, default=2, help="processes per variant (default 2)")
     parser.add_argument("--ep", type=int, default=0, help="expert-parallel degree of ddp variants (default: nproc)")
     parser.add_argument("--random-routing", action="store_true", help="route every token to random experts")
@@ -334,8 +365,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before it is killed")
     parser.add_argument("--probe-s", type=float, default=0.5, help="seconds per CPU matmul probe")
-    parser.add_argument("--no-profile", dest="profile", action="store_false",
-                        help="skip the profiled step that measures time in collectives")
-    parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
-                        help="skip timing checkpoint save and load")
+    parser.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        help="skip the profiled step that measures time in collectives",
+    )
+    parser.add_argument(
+        "--no-checkpoint", dest="checkpoint", action="store_false", help="skip timing checkpoint save and load"
+    )
     parser.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")

@@ -116,9 +116,7 @@ def grad_accum_steps(cfg: Config, dp: int) -> int:
     return max(1, math.ceil(cfg.train.global_batch_size / (cfg.train.micro_batch_size * dp)))
 
 
-def plan_layout(
-    cfg: Config, stats: dict[str, int], stack: str, ep: int, world: int, mem_bytes: float
-) -> LayoutPlan:
+def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: int, mem_bytes: float) -> LayoutPlan:
     """Memory and communication of one layout (``stack`` 'fsdp' or 'ddp', dp = world)."""
     bf16 = cfg.train.precision == "bf16"
     b_w = b_g = 2 if bf16 else 4
@@ -181,9 +179,7 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
     if mem_gb is not None and mem_gb <= 0:
         raise ConfigError(f"--mem-gb: must be > 0, got {mem_gb}")
     if cfg.model.vocab_size <= 0:
-        raise ConfigError(
-            "model.vocab_size: plan needs it set (> 0) in the config, e.g. model.vocab_size: 50304"
-        )
+        raise ConfigError("model.vocab_size: plan needs it set (> 0) in the config, e.g. model.vocab_size: 50304")
     spec = get_device(device)
     if mem_gb is not None:
         mem_bytes = mem_gb * GB
@@ -194,9 +190,7 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
     stats = meta_param_stats(cfg)
     stats["moe_layers"] = param_counts(cfg.model)["moe_layers"]
     seq = cfg.data.seq_len
-    layouts = [
-        plan_layout(cfg, stats, stack, ep, world, mem_bytes) for stack, ep in valid_layouts(cfg, world)
-    ]
+    layouts = [plan_layout(cfg, stats, stack, ep, world, mem_bytes) for stack, ep in valid_layouts(cfg, world)]
     return {
         "world": world,
         "device": spec.name,
@@ -273,9 +267,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``moeforge plan``."""
     parser.add_argument("config", help="YAML config (e.g. configs/presets/moe-47b.yaml)")
     parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
-    parser.add_argument(
-        "--device", default="h200", choices=sorted(DEVICES), help="device for memory size and peak"
-    )
+    parser.add_argument("--device", default="h200", choices=sorted(DEVICES), help="device for memory size and peak")
     parser.add_argument("--mem-gb", type=float, default=None, help="device memory in GB (overrides --device)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(

@@ -63,9 +63,7 @@ def ratio(a: dict[str, Any], b: dict[str, Any], metric: str = "tokens_per_s") ->
     return float(a[metric]) / float(b[metric])
 
 
-def compute_ratios(
-    variants: Sequence[dict[str, Any]], reference: str | None = None, kind: str = ""
-) -> dict[str, Any]:
+def compute_ratios(variants: Sequence[dict[str, Any]], reference: str | None = None, kind: str = "") -> dict[str, Any]:
     """Every finished variant relative to ``reference`` (default: the first), same input hash only.
 
     Returns ``{}`` for fewer than two finished variants. Otherwise
@@ -165,9 +163,11 @@ def markdown_tables(results: dict[str, Any]) -> str:
                 "and are not compared with the table above."
             )
             lines.append("")
-        lines.append(f"input_hash `{h[:16]}`, {members[0].get('measured_steps')} measured steps after "
-                     f"{members[0].get('warmup_steps')} warm-up, global batch {members[0].get('global_batch_size')} "
-                     f"x seq {members[0].get('seq_len')}")
+        lines.append(
+            f"input_hash `{h[:16]}`, {members[0].get('measured_steps')} measured steps after "
+            f"{members[0].get('warmup_steps')} warm-up, global batch {members[0].get('global_batch_size')} "
+            f"x seq {members[0].get('seq_len')}"
+        )
         lines.append("")
         lines.append(HEADER)
         lines.append("|" + "---|" * HEADER.count(" | ") + "---|")
@@ -192,8 +192,19 @@ def markdown_report(results: dict[str, Any]) -> str:
     lines = [f"# {title}", ""]
     if results.get("command"):
         lines += ["```", results["command"], "```", ""]
-    keys = ("git_commit", "git_dirty", "moeforge_version", "torch_version", "cuda_version", "nccl_version",
-            "device_name", "device_count", "cpu_count", "load_average", "timestamp_utc")
+    keys = (
+        "git_commit",
+        "git_dirty",
+        "moeforge_version",
+        "torch_version",
+        "cuda_version",
+        "nccl_version",
+        "device_name",
+        "device_count",
+        "cpu_count",
+        "load_average",
+        "timestamp_utc",
+    )
     lines.append("environment: " + ", ".join(f"{k}={env.get(k)}" for k in keys))
     if env.get("interconnect"):
         lines += ["", "```", str(env["interconnect"]), "```"]
@@ -223,8 +234,12 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
         tps = [v["tokens_per_s_per_device"] for v in members]
         bars = axes[0].bar(x, tps, color="tab:blue")
         for bar, v in zip(bars, members):
-            axes[0].annotate(f"{v['tokens_per_s_per_device'] / members[0]['tokens_per_s_per_device']:.2f}x",
-                             (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+            axes[0].annotate(
+                f"{v['tokens_per_s_per_device'] / members[0]['tokens_per_s_per_device']:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+            )
         axes[0].set_title("tokens/s per device")
         axes[0].margins(y=0.15)
         axes[1].bar(x, [v["peak_mem_bytes"] / 1e9 for v in members], color="tab:orange")

@@ -81,13 +81,9 @@ def _read_jsonl(path: Path) -> list[Document]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{where}: not valid JSON ({e.msg}); each line must be one JSON object"
-                ) from None
+                raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             if not isinstance(record, dict) or "text" not in record:
-                raise DataError(
-                    f'{where}: no "text" field; each line must be an object like {{"text": "..."}}'
-                )
+                raise DataError(f'{where}: no "text" field; each line must be an object like {{"text": "..."}}')
             text = record["text"]
             if not isinstance(text, str):
                 raise DataError(f'{where}: "text" must be a string, got {type(text).__name__}')

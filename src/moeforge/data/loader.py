@@ -55,8 +55,7 @@ class ShardedLoader:
     ) -> None:
         if global_batch_size < 1 or micro_batch_size < 1:
             raise ValueError(
-                "global_batch_size and micro_batch_size must be >= 1, "
-                f"got {global_batch_size} and {micro_batch_size}"
+                f"global_batch_size and micro_batch_size must be >= 1, got {global_batch_size} and {micro_batch_size}"
             )
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
@@ -137,9 +136,7 @@ class ShardedLoader:
         try:
             epoch, position = state["epoch"], state["position"]
         except (KeyError, TypeError):
-            raise ValueError(
-                f"loader state must be a dict with 'epoch' and 'position', got {state!r}"
-            ) from None
+            raise ValueError(f"loader state must be a dict with 'epoch' and 'position', got {state!r}") from None
         if not (isinstance(epoch, int) and isinstance(position, int) and epoch >= 0 and position >= 0):
             raise ValueError(f"loader state: epoch and position must be integers >= 0, got {state!r}")
         if position > self.steps_per_epoch:
@@ -168,8 +165,7 @@ def eval_batches(
     """
     if batch_size < 1 or batch_size % world_size:
         raise ValueError(
-            f"evaluation batch size ({batch_size}) must be a positive multiple of the data-parallel size "
-            f"({world_size})"
+            f"evaluation batch size ({batch_size}) must be a positive multiple of the data-parallel size ({world_size})"
         )
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")

@@ -65,9 +65,7 @@ def _tokenizer_key(cfg: DataConfig) -> str:
         return f"bpe:{cfg.bpe_vocab_size}"
     path = Path(cfg.tokenizer)
     if not path.is_file():
-        raise DataError(
-            f"{path}: tokenizer file not found; fix data.tokenizer or leave it empty to train one"
-        )
+        raise DataError(f"{path}: tokenizer file not found; fix data.tokenizer or leave it empty to train one")
     return "file:" + hashlib.sha256(path.read_bytes()).hexdigest()
 
 

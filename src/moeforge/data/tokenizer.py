@@ -51,9 +51,7 @@ class Tokenizer:
         """Load a ``tokenizer.json`` (ours or any Hugging Face one)."""
         path = Path(path)
         if not path.is_file():
-            raise DataError(
-                f"{path}: tokenizer file not found; fix data.tokenizer or leave it empty to train one"
-            )
+            raise DataError(f"{path}: tokenizer file not found; fix data.tokenizer or leave it empty to train one")
         try:
             tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
@@ -105,9 +103,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """
     min_size = len(pre_tokenizers.ByteLevel.alphabet()) + 1
     if vocab_size < min_size:
-        raise DataError(
-            f"data.bpe_vocab_size: must be >= {min_size} (256 bytes + {EOS_TOKEN}), got {vocab_size}"
-        )
+        raise DataError(f"data.bpe_vocab_size: must be >= {min_size} (256 bytes + {EOS_TOKEN}), got {vocab_size}")
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

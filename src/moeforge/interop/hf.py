@@ -41,9 +41,7 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
     """``(config.json dict, tensors)`` of a transformers checkpoint directory."""
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(
-            f"from_hf: {str(root)!r} is not a directory holding config.json and *.safetensors"
-        )
+        raise FileNotFoundError(f"from_hf: {str(root)!r} is not a directory holding config.json and *.safetensors")
     cfg_file = root / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"from_hf: {cfg_file} not found; is {root} a transformers checkpoint?")
@@ -107,9 +105,7 @@ def hf_to_moeforge_state_dict(tensors: dict[str, Tensor], cfg: ModelConfig) -> d
             got = per_expert.get((layer, proj), {})
             missing = [e for e in range(E) if e not in got]
             if missing:
-                raise ValueError(
-                    f"from_hf: layer {layer} lacks experts {missing} for {proj} (num_experts={E})"
-                )
+                raise ValueError(f"from_hf: layer {layer} lacks experts {missing} for {proj} (num_experts={E})")
             parts[proj] = torch.stack([got[e] for e in range(E)])
         prefix = f"layers.{layer}.mlp.experts."
         out[prefix + "w1"] = torch.cat([parts["gate_proj"], parts["up_proj"]], dim=1)

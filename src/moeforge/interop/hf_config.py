@@ -99,8 +99,7 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
     model_type = d.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(
-            f"config.json: model_type={model_type!r} is not supported; "
-            f"expected one of {sorted(ARCHITECTURES)}"
+            f"config.json: model_type={model_type!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
         )
     _check_common(d)
     d_model = int(_require(d, "hidden_size"))
@@ -112,9 +111,7 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         raise ValueError("config.json: num_experts must be >= 1 (a model without experts is not MoE)")
     top_k = int(_require(d, "num_experts_per_tok"))
     if n_heads % n_kv:
-        raise ValueError(
-            f"config.json: num_key_value_heads ({n_kv}) must divide num_attention_heads ({n_heads})"
-        )
+        raise ValueError(f"config.json: num_key_value_heads ({n_kv}) must divide num_attention_heads ({n_heads})")
     if model_type == "olmoe":
         if d_model % n_heads:
             raise _unsupported("hidden_size", d_model, f"a multiple of num_attention_heads ({n_heads})")
@@ -130,9 +127,7 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         expert_hidden = int(_require(d, "moe_intermediate_size"))
         dense_hidden = int(d.get("intermediate_size") or expert_hidden)
     if not 1 <= top_k <= num_experts:
-        raise ValueError(
-            f"config.json: num_experts_per_tok must be in 1..num_experts ({num_experts}), got {top_k}"
-        )
+        raise ValueError(f"config.json: num_experts_per_tok must be in 1..num_experts ({num_experts}), got {top_k}")
     moe = MoEConfig(
         num_experts=num_experts,
         top_k=top_k,

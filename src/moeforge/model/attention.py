@@ -70,7 +70,5 @@ class Attention(nn.Module):
         causal = T > 1 and k.shape[2] == T
         if T > 1 and not causal:
             raise ValueError("prefill into a non-empty KV cache is not supported; feed one token at a time")
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, enable_gqa=self.n_kv != self.n_heads
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))

@@ -23,9 +23,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = layer_idx not in cfg.dense_layers
         self.mlp: nn.Module = (
-            MoELayer(cfg.d_model, cfg.moe, layer_idx, seed)
-            if self.is_moe
-            else SwiGLU(cfg.d_model, cfg.dense_hidden)
+            MoELayer(cfg.d_model, cfg.moe, layer_idx, seed) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_hidden)
         )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
@@ -93,7 +91,7 @@ def count_params(model: MoETransformer) -> dict[str, int]:
         if "experts.w" in name:
             expert += n
     frac = cfg.moe.top_k / cfg.moe.num_experts
-    active = total - expert + int(round(expert * frac))
+    active = total - expert + round(expert * frac)
     return {
         "total": total,
         "active": active,

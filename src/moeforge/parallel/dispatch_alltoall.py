@@ -56,9 +56,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all_rows(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
-def _all_to_all_rows(
-    x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
-) -> Tensor:
+def _all_to_all_rows(x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(
         out, x.contiguous(), output_split_sizes=output_splits, input_split_sizes=input_splits, group=group
@@ -66,9 +64,7 @@ def _all_to_all_rows(
     return out
 
 
-def all_to_all_rows(
-    x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
-) -> Tensor:
+def all_to_all_rows(x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
     """Differentiable ``all_to_all_single`` along dim 0: send ``input_splits[r]`` rows to rank ``r``."""
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
@@ -100,9 +96,7 @@ class AllToAllDispatcher(Dispatcher):
         self.ep_group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         if num_experts % self.ep != 0:
-            raise ValueError(
-                f"model.moe.num_experts ({num_experts}) must be divisible by parallel.ep ({self.ep})"
-            )
+            raise ValueError(f"model.moe.num_experts ({num_experts}) must be divisible by parallel.ep ({self.ep})")
         self.num_local_experts = num_experts // self.ep
         self._local = LocalDispatcher(num_experts) if self.ep == 1 else None
         self.stats = DispatchStats()

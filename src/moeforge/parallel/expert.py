@@ -77,9 +77,7 @@ def parallelize_experts(model: MoETransformer, mesh: MoEMesh, dispatcher: str = 
     shard = mesh.ep > 1
     if shard:
         if mesh.ep_mesh is None or mesh.ep_group is None:
-            raise ValueError(
-                f"parallel.ep = {mesh.ep} needs an initialised mesh (build_mesh after init_process_group)"
-            )
+            raise ValueError(f"parallel.ep = {mesh.ep} needs an initialised mesh (build_mesh after init_process_group)")
         num_experts = model.cfg.moe.num_experts
         if num_experts % mesh.ep != 0:
             raise ValueError(f"parallel.ep: must divide model.moe.num_experts ({num_experts}), got {mesh.ep}")

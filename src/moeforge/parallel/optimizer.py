@@ -124,9 +124,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("DistributedOptimizer.step: closures are not supported")
         self.reducer.finish()
         self.step_count += 1
-        per_group: list[dict[str, list[Tensor]]] = [
-            {"p": [], "g": [], "m": [], "v": []} for _ in self.param_groups
-        ]
+        per_group: list[dict[str, list[Tensor]]] = [{"p": [], "g": [], "m": [], "v": []} for _ in self.param_groups]
         for i, b in enumerate(self.reducer.buckets):
             st, grad = self.shard_state[i], b.grad_shard
             if grad.dtype != torch.float32:
@@ -192,8 +190,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "step": self.step_count,
             "layout": self._layout(),
             "param_groups": [
-                {k: (list(v) if k == "betas" else v) for k, v in g.items() if k != "params"}
-                for g in self.param_groups
+                {k: (list(v) if k == "betas" else v) for k, v in g.items() if k != "params"} for g in self.param_groups
             ],
             "shards": [{k: v.clone() for k, v in st.items()} for st in self.shard_state],
         }

@@ -101,9 +101,7 @@ class DDPStack(TrainingStack):
 
     def __init__(self, model: nn.Module, cfg: Config, mesh: MoEMesh) -> None:
         self.model = model
-        self.reducer = GradReducer(
-            model, mesh, cfg.parallel.bucket_size_mb, overlap=cfg.parallel.overlap_grad_reduce
-        )
+        self.reducer = GradReducer(model, mesh, cfg.parallel.bucket_size_mb, overlap=cfg.parallel.overlap_grad_reduce)
         o = cfg.optim
         self.optimizer = DistributedOptimizer(
             optim_param_groups(model, o.weight_decay),

@@ -46,9 +46,7 @@ def _worker(
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-        )
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         fn(*args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))

@@ -59,9 +59,18 @@ from moeforge.train.checkpoint_store import (
 )
 
 __all__ = [
-    "COMPLETE", "CheckpointError", "CheckpointManager", "CheckpointMismatchError", "SaveStats",
-    "checkpoints_dir", "complete_checkpoints", "load_checkpoint_into", "load_full_state_dict",
-    "load_model_state", "newest_loadable", "verify_checkpoint", "write_model_checkpoint",
+    "COMPLETE",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointMismatchError",
+    "SaveStats",
+    "checkpoints_dir",
+    "complete_checkpoints",
+    "load_checkpoint_into",
+    "load_full_state_dict",
+    "load_model_state",
+    "verify_checkpoint",
+    "write_model_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -101,8 +110,7 @@ def load_checkpoint_into(
     state: dict[str, Any] = dict(entries)
     optim: dict[str, Tensor] = {}
     if optimizer is not None and any(k.startswith(OPTIM) for k in saved):
-        optim = {k: v for k, v in optimizer_state(optimizer, model).items()
-                 if k in saved or not k.endswith(".master")}
+        optim = {k: v for k, v in optimizer_state(optimizer, model).items() if k in saved or not k.endswith(".master")}
         bad = sorted(k for k, v in optim.items() if k not in saved or tuple(saved[k].size) != logical_shape(v))
         if bad:
             raise CheckpointMismatchError(f"checkpoint {path}: optimizer state lacks or misshapes {bad[:8]}")
@@ -124,8 +132,9 @@ def load_checkpoint_into(
 class CheckpointManager:
     """Saves and resumes the checkpoints of one run directory; every rank creates one and calls it alike."""
 
-    def __init__(self, run_dir: str | Path, keep_last: int = 2, async_save: bool = False,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self, run_dir: str | Path, keep_last: int = 2, async_save: bool = False, device: torch.device | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.root = checkpoints_dir(run_dir)
         self.keep_last = keep_last
@@ -147,8 +156,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             trainer_state: dict[str, Any]) -> SaveStats:
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict[str, Any]
+    ) -> SaveStats:
         """Checkpoint ``step``; returns after the snapshot (async) or the publication (sync)."""
         self.wait()
         t0 = time.perf_counter()
@@ -167,18 +177,21 @@ class CheckpointManager:
         if self._executor is not None:
             stats = SaveStats(step, blocking_s=time.perf_counter() - t0)
             self._pending = self._executor.submit(self._write, tmp, state, step, manifest, t0, stats)
-            log.info("checkpoint %s: training blocked %.3fs (snapshot); writing in the background",
-                     step_name(step), stats.blocking_s)
+            log.info(
+                "checkpoint %s: training blocked %.3fs (snapshot); writing in the background",
+                step_name(step),
+                stats.blocking_s,
+            )
             return stats
         stats = SaveStats(step, blocking_s=float("nan"))
         self._write(tmp, state, step, manifest, t0, stats)
         stats.blocking_s = stats.total_s
         return stats
 
-    def _write(self, tmp: Path, state: dict[str, Any], step: int, manifest: dict[str, Any], t0: float,
-               stats: SaveStats) -> SaveStats:
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1,
-                                      overwrite=True)
+    def _write(
+        self, tmp: Path, state: dict[str, Any], step: int, manifest: dict[str, Any], t0: float, stats: SaveStats
+    ) -> SaveStats:
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         phase("staged")
         with quiet_sharded_tensor():
             dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not _dist())
@@ -190,9 +203,13 @@ class CheckpointManager:
         stats.total_s = time.perf_counter() - t0
         self.last_save = stats
         if self.rank == 0:
-            log.info("saved checkpoint %s: blocking %.3fs, total %.3fs, %d bytes",
-                     step_name(step), stats.blocking_s if self._executor else stats.total_s,
-                     stats.total_s, stats.bytes)
+            log.info(
+                "saved checkpoint %s: blocking %.3fs, total %.3fs, %d bytes",
+                step_name(step),
+                stats.blocking_s if self._executor else stats.total_s,
+                stats.total_s,
+                stats.bytes,
+            )
         return stats
 
     def wait(self) -> SaveStats | None:
@@ -225,8 +242,9 @@ class CheckpointManager:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               template: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+    def resume(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, template: dict[str, Any]
+    ) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest complete checkpoint that verifies and loads everywhere; None if there is none.
 
         A corrupt checkpoint is skipped with a warning naming the file; a
@@ -263,8 +281,11 @@ class CheckpointManager:
                 log.info("loaded checkpoint %s in %.3fs (%d bytes)", path, time.perf_counter() - t0, nbytes)
                 return path, state
             if self.rank == 0:
-                log.warning("checkpoint %s could not be loaded (%s); falling back to the previous checkpoint",
-                            path, error or "failed on another rank")
+                log.warning(
+                    "checkpoint %s could not be loaded (%s); falling back to the previous checkpoint",
+                    path,
+                    error or "failed on another rank",
+                )
             rejected.add(path.name)
 
 
@@ -276,25 +297,11 @@ def load_model_state(path: str | Path) -> dict[str, Tensor]:
     path = Path(path)
     verify_checkpoint(path, checksums=False)
     saved = read_metadata(path).state_dict_metadata
-    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-             for k, md in saved.items() if k.startswith(MODEL)}
+    state = {
+        k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items() if k.startswith(MODEL)
+    }
     dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
     return {k[len(MODEL) :]: v for k, v in state.items()}
-
-
-def newest_loadable(run_dir: str | Path, rank: int = 0) -> tuple[Path, tuple[dict, dict, dict, dict]] | None:
-    """``(path, (model_state, {}, {}, trainer_state))`` of the newest checkpoint that verifies (one process).
-
-    Kept for single-process readers such as ``moeforge generate``; training resumes with
-    :meth:`CheckpointManager.resume`.
-    """
-    for path in reversed(complete_checkpoints(run_dir)):
-        try:
-            manifest = verify_checkpoint(path)
-            return path, (load_model_state(path), {}, {}, dict(manifest.get("trainer_state", {})))
-        except CheckpointError as e:
-            log.warning("%s; falling back to the previous checkpoint", e)
-    return None
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
@@ -307,8 +314,9 @@ def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
         raise CheckpointMismatchError(str(e)) from e
 
 
-def write_model_checkpoint(run_dir: str | Path, model: nn.Module, step: int = 0,
-                           trainer_state: dict[str, Any] | None = None) -> Path:
+def write_model_checkpoint(
+    run_dir: str | Path, model: nn.Module, step: int = 0, trainer_state: dict[str, Any] | None = None
+) -> Path:
     """Publish a weights-only checkpoint (the optimizer starts fresh on resume), e.g. from Hugging Face."""
     state = trainer_state if trainer_state is not None else {"step": step}
     manager = CheckpointManager(run_dir, keep_last=1_000_000)

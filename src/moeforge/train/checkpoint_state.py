@@ -37,8 +37,7 @@ def snapshot(t: Tensor) -> Tensor:
     """A CPU copy that training cannot change (a DTensor stays a DTensor over the same mesh)."""
     if isinstance(t, DTensor):
         local = t.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
-                                  run_check=False)
+        return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
     return t.detach().to("cpu", copy=True)
 
 
@@ -143,15 +142,18 @@ def check_model_keys(model_entries: dict[str, Tensor], saved: dict[str, Any], so
     missing = sorted(k[len(MODEL) :] for k in model_entries if k not in saved_model)
     unexpected = sorted(k[len(MODEL) :] for k in saved_model if k not in model_entries)
     shapes = sorted(
-        f"{k[len(MODEL):]}: checkpoint {tuple(saved_model[k].size)} vs model {logical_shape(v)}"
+        f"{k[len(MODEL) :]}: checkpoint {tuple(saved_model[k].size)} vs model {logical_shape(v)}"
         for k, v in model_entries.items()
         if k in saved_model and tuple(saved_model[k].size) != logical_shape(v)
     )
     if missing or unexpected or shapes:
-        parts = [f"missing keys {missing}" if missing else "",
-                 f"unexpected keys {unexpected}" if unexpected else "",
-                 f"shape mismatches {shapes}" if shapes else ""]
+        parts = [
+            f"missing keys {missing}" if missing else "",
+            f"unexpected keys {unexpected}" if unexpected else "",
+            f"shape mismatches {shapes}" if shapes else "",
+        ]
         raise CheckpointMismatchError(
-            f"{source} does not match the model config: " + "; ".join(p for p in parts if p)
+            f"{source} does not match the model config: "
+            + "; ".join(p for p in parts if p)
             + ". Resume with the model section the checkpoint was written with (RUN/config.yaml)."
         )

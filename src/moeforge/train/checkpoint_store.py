@@ -131,8 +131,9 @@ def publish(tmp: Path, root: Path, step: int, manifest: dict[str, Any], keep_las
     phase("written")
     files = describe_files(tmp)
     tensors = {k: list(v.size) for k, v in sorted(meta.state_dict_metadata.items())}  # type: ignore[union-attr]
-    manifest = dict(manifest, format=FORMAT, step=step, files=files, tensors=tensors,
-                    bytes=sum(f["bytes"] for f in files.values()))
+    manifest = dict(
+        manifest, format=FORMAT, step=step, files=files, tensors=tensors, bytes=sum(f["bytes"] for f in files.values())
+    )
     _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     phase("manifest")
     _write_durable(tmp / COMPLETE, "ok\n")
@@ -204,8 +205,14 @@ def verify_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
 _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in (
-        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata",
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+        "BytesStorageMetadata",
     )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -229,8 +236,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
-        if (module, name) in _ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
+        if (module, name) in _ALLOWED_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 

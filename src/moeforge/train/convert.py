@@ -32,8 +32,14 @@ log = logging.getLogger(__name__)
 
 #: MoE settings that only matter for training; a Hugging Face config.json does not carry them.
 TRAINING_ONLY_MOE_FIELDS = (
-    "aux_loss_coef", "z_loss_coef", "bias_update_rate", "jitter_eps", "dispatcher", "capacity_factor",
-    "expert_impl", "random_routing",
+    "aux_loss_coef",
+    "z_loss_coef",
+    "bias_update_rate",
+    "jitter_eps",
+    "dispatcher",
+    "capacity_factor",
+    "expert_impl",
+    "random_routing",
 )
 
 
@@ -41,7 +47,7 @@ def run_config(run_dir: str | Path) -> Config:
     """The config a run directory was trained with."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
-        raise ConfigError(f"convert: {run_dir} has no config.yaml; pass a directory written by `moeforge train`")
+        raise ConfigError(f"run_dir: {run_dir} has no config.yaml; pass a directory written by `moeforge train`")
     return load_config(path, ["--parallel.ep=1", "--parallel.stack=ddp", "--model.moe.dispatcher=local"])
 
 
@@ -60,7 +66,7 @@ def load_run_model(run_dir: str | Path) -> MoETransformer:
         load_full_state_dict(model, state)
         log.info("loaded %s", path)
         return model.eval()
-    raise CheckpointError(f"convert: {run_dir} has no loadable checkpoint" + (f" ({errors[-1]})" if errors else ""))
+    raise CheckpointError(f"run_dir: {run_dir} has no loadable checkpoint" + (f" ({errors[-1]})" if errors else ""))
 
 
 def run_to_hf(run_dir: str | Path, out_dir: str | Path, flavor: str) -> Path:
@@ -93,9 +99,7 @@ def hf_to_run(
         raise ConfigError(f"convert: {run} already holds checkpoints; pick a new run directory")
     model = from_hf(hf_dir)
     cfg = load_config(config, list(overrides or []))
-    moe = dataclasses.replace(
-        model.cfg.moe, **{k: getattr(cfg.model.moe, k) for k in TRAINING_ONLY_MOE_FIELDS}
-    )
+    moe = dataclasses.replace(model.cfg.moe, **{k: getattr(cfg.model.moe, k) for k in TRAINING_ONLY_MOE_FIELDS})
     cfg.model = dataclasses.replace(model.cfg, moe=moe, init_std=cfg.model.init_std)
     cfg.train.run_dir = str(run)
     cfg.validate()

@@ -19,7 +19,7 @@ def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
         progress = min((step - cfg.warmup_steps) / span, 1.0)
         return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
     # wsd: hold the peak, then decay linearly to the floor over the last decay_fraction of steps
-    decay_steps = max(int(round(cfg.decay_fraction * max_steps)), 1)
+    decay_steps = max(round(cfg.decay_fraction * max_steps), 1)
     decay_start = max_steps - decay_steps
     if step < decay_start:
         return peak

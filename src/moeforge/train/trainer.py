@@ -63,9 +63,18 @@ def moe_aux_terms(model: MoETransformer) -> tuple[Tensor, Tensor, Tensor]:
     return weighted, aux.detach().mean(), z.detach().mean()
 
 
-def lm_loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy in fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def lm_loss_fn(logits: Tensor, targets: Tensor, upcast: bool = True) -> Tensor:
+    """Mean next-token cross-entropy; in fp32 unless ``upcast`` is False.
+
+    Training under bf16 autocast passes ``upcast=False``: the cross-entropy then
+    runs on the bf16 logits (softmax accumulated in fp32 inside the kernel), which
+    on CPU is about 2.5x faster than on an fp32 copy of the ``(tokens, vocab)``
+    logits; the gradient differs by ~0.1% and the logged training loss is rounded
+    to bf16. Validation always upcasts, so ``val_loss``/``val_bpb`` are exact.
+    """
+    if upcast:
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).float()
 
 
 class Trainer:
@@ -111,6 +120,8 @@ class Trainer:
         self.skipped_steps = 0
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
         self.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        # creating the manager is collective (async save makes its own group): every rank, same point
+        self.checkpointer = CheckpointManager(self.run_dir, cfg.train.keep_last, cfg.train.async_save, self.device)
 
     # ------------------------------------------------------------------ steps
 
@@ -132,14 +143,18 @@ class Trainer:
             stack.set_grad_sync(i == n_micro - 1)
             with self._autocast():
                 logits = model(inputs)
-            lm = lm_loss_fn(logits, targets)
+            lm = lm_loss_fn(logits, targets, upcast=False)
             weighted_aux, aux, z = moe_aux_terms(model)
             loss = lm + weighted_aux.to(lm.device)
             (loss / n_micro).backward()
             sums += torch.stack([loss.detach(), lm.detach(), aux.to(lm.device), z.to(lm.device)]) / n_micro
-            step_counts = torch.stack(
-                [m.last_routing.tokens_per_expert for m in model.moe_layers()]  # type: ignore[union-attr]
-            ) if model.moe_layers() else torch.zeros(0, 1, device=self.device)
+            step_counts = (
+                torch.stack(
+                    [m.last_routing.tokens_per_expert for m in model.moe_layers()]  # type: ignore[union-attr]
+                )
+                if model.moe_layers()
+                else torch.zeros(0, 1, device=self.device)
+            )
             counts = step_counts if counts is None else counts + step_counts
         stack.finish_grad_sync()
         grad_norm = stack.clip_grad_norm_(cfg.optim.grad_clip)
@@ -171,8 +186,9 @@ class Trainer:
             with self._autocast():
                 logits = self.model(batch[:, :-1])
             loss = lm_loss_fn(logits, batch[:, 1:])
-            acc += torch.tensor([loss.item() * batch[:, 1:].numel(), batch[:, 1:].numel()], device=self.device,
-                                dtype=torch.float64)
+            acc += torch.tensor(
+                [loss.item() * batch[:, 1:].numel(), batch[:, 1:].numel()], device=self.device, dtype=torch.float64
+            )
         all_reduce_sum(acc, self.mesh.dp_group)
         self.model.train()
         val_loss = float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
@@ -191,30 +207,26 @@ class Trainer:
             "loader": self.loader.state_dict(),
         }
 
-    def _checkpointer(self) -> CheckpointManager:
-        """The run's checkpoint manager, created on first use (a collective: all ranks call save/resume alike)."""
-        if getattr(self, "checkpointer", None) is None:
-            t = self.cfg.train
-            self.checkpointer = CheckpointManager(self.run_dir, t.keep_last, t.async_save, self.device)
-        return self.checkpointer
-
-    def save(self) -> Path:
-        """Checkpoint the current step (all ranks); the final step's save is waited for even when async."""
+    def _debug_kill_if_due(self) -> None:
+        """Test only (``train.debug_kill_at_step``): the last rank dies once, as a crashed rank would."""
         k = self.cfg.train.debug_kill_at_step
         if k and self.step >= k and self.rank == self.mesh.world_size - 1:
             marker = self.run_dir / f".debug_killed_at_step_{k}"
-            if not marker.exists():  # test only: die once, as a crashed rank would (docs/checkpoints.md)
+            if not marker.exists():  # docs/checkpoints.md
                 marker.write_text(f"rank {self.rank} killed itself at step {self.step}\n")
                 os.kill(os.getpid(), signal.SIGKILL)
-        manager = self._checkpointer()
-        manager.save(self.step, self.model, self.stack.optimizer, self.trainer_state())
+
+    def save(self) -> Path:
+        """Checkpoint the current step (all ranks); the final step's save is waited for even when async."""
+        self._debug_kill_if_due()
+        self.checkpointer.save(self.step, self.model, self.stack.optimizer, self.trainer_state())
         if self.step >= self.cfg.train.max_steps:
-            manager.wait()
+            self.checkpointer.wait()
         return checkpoints_dir(self.run_dir) / step_name(self.step)
 
     def maybe_resume(self) -> bool:
         """Load the newest complete checkpoint of the run dir, if any (all ranks load the same one)."""
-        found = self._checkpointer().resume(self.model, self.stack.optimizer, self.trainer_state())
+        found = self.checkpointer.resume(self.model, self.stack.optimizer, self.trainer_state())
         if found is None:
             return False
         path, state = found
@@ -298,6 +310,7 @@ class Trainer:
                 self.save()
         if bar is not None:
             bar.close()
+        self.checkpointer.wait()
         return last
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:

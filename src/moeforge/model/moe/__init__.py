@@ -6,8 +6,8 @@ from moeforge.model.moe.layer import MoELayer
 from moeforge.model.moe.router import RouterOutput, TopKRouter
 
 __all__ = [
-    "Dispatcher",
     "DispatchStats",
+    "Dispatcher",
     "GroupedExperts",
     "LocalDispatcher",
     "MoELayer",
