@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moeforge.bench.balance import model_balance_metrics
-from moeforge.config import Config, save_config
+from moeforge.config import Config, ConfigError, save_config
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
 from moeforge.model import MoETransformer, build_model
 from moeforge.parallel.mesh import MoEMesh
@@ -94,8 +94,6 @@ class Trainer:
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = self.meta.vocab_size
         elif cfg.model.vocab_size < self.meta.vocab_size:
-            from moeforge.config import ConfigError
-
             raise ConfigError(
                 f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
                 f"{self.meta.vocab_size}; set it to 0 to take the tokenizer's"
@@ -175,7 +173,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Validation loss and bits per byte over ``train.eval_batches`` batches (all ranks)."""
+        """Validation loss and bits per byte over ``train.eval_batches`` batches (all ranks).
+
+        The eval batch is ``train.micro_batch_size`` sequences in all, split over the
+        data-parallel ranks, so every layout scores the same validation windows.
+        """
         self.model.eval()
         batches = eval_batches(
             self.val_data, self.cfg.train.micro_batch_size, self.cfg.train.eval_batches, self.rank, self.mesh.dp
