@@ -1,0 +1,158 @@
+"""Validation of a :class:`moeforge.config.Config`: one :class:`ConfigError` naming the field and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moeforge.config import Config
+
+
+class ConfigError(ValueError):
+    """A configuration or command-line mistake; the message names the field and the fix."""
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+def validate_config(cfg: Config, world_size: int | None = None) -> None:
+    """Raise one ConfigError for the first violated constraint."""
+    m, moe = cfg.model, cfg.model.moe
+    for name in ("d_model", "n_layers", "n_heads", "dense_hidden", "max_seq_len"):
+        _check(getattr(m, name) > 0, f"model.{name}", f"must be > 0, got {getattr(m, name)}")
+    _check(m.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 takes it from the tokenizer)")
+    if m.head_dim == 0:
+        _check(
+            m.d_model % m.n_heads == 0,
+            "model.d_model",
+            f"must be divisible by model.n_heads ({m.n_heads}), got {m.d_model}; or set model.head_dim",
+        )
+    _check(m.dim_head % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.dim_head}")
+    _check(m.n_kv_heads >= 0, "model.n_kv_heads", "must be >= 0")
+    _check(
+        m.n_heads % m.kv_heads == 0,
+        "model.n_kv_heads",
+        f"must divide model.n_heads ({m.n_heads}), got {m.kv_heads}",
+    )
+    for i in m.dense_layers:
+        _check(0 <= i < m.n_layers, "model.dense_layers", f"layer {i} is outside 0..{m.n_layers - 1}")
+    _check(m.init_std > 0, "model.init_std", "must be > 0")
+    _check(moe.num_experts >= 1, "model.moe.num_experts", f"must be >= 1, got {moe.num_experts}")
+    _check(moe.top_k >= 1, "model.moe.top_k", f"must be >= 1, got {moe.top_k}")
+    _check(
+        moe.top_k <= moe.num_experts,
+        "model.moe.top_k",
+        f"must be <= model.moe.num_experts ({moe.num_experts}), got {moe.top_k}",
+    )
+    _check(moe.expert_hidden > 0, "model.moe.expert_hidden", "must be > 0")
+    _check(moe.n_groups >= 1, "model.moe.n_groups", "must be >= 1")
+    _check(
+        moe.num_experts % moe.n_groups == 0,
+        "model.moe.n_groups",
+        f"must divide model.moe.num_experts ({moe.num_experts}), got {moe.n_groups}",
+    )
+    _check(
+        1 <= moe.topk_groups <= moe.n_groups,
+        "model.moe.topk_groups",
+        f"must be in 1..model.moe.n_groups ({moe.n_groups}), got {moe.topk_groups}",
+    )
+    if moe.n_groups > 1:
+        per_group = moe.num_experts // moe.n_groups
+        _check(
+            moe.topk_groups * per_group >= moe.top_k,
+            "model.moe.topk_groups",
+            f"selected groups hold {moe.topk_groups * per_group} experts, fewer than top_k={moe.top_k}",
+        )
+    for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "jitter_eps"):
+        _check(getattr(moe, name) >= 0, f"model.moe.{name}", "must be >= 0")
+    _check(moe.capacity_factor > 0, "model.moe.capacity_factor", "must be > 0")
+    _check(moe.shared_expert_hidden >= 0, "model.moe.shared_expert_hidden", "must be >= 0")
+    if moe.expert_impl == "grouped" and cfg.train.precision == "bf16":
+        for name, value in (("model.d_model", m.d_model), ("model.moe.expert_hidden", moe.expert_hidden)):
+            _check(
+                value % 8 == 0,
+                name,
+                f"the bf16 grouped-GEMM path needs a multiple of 8, got {value}; "
+                "change it or set model.moe.expert_impl=loop",
+            )
+
+    d = cfg.data
+    _check(d.seq_len > 0, "data.seq_len", f"must be > 0, got {d.seq_len}")
+    _check(d.seq_len <= m.max_seq_len, "data.seq_len", f"must be <= model.max_seq_len ({m.max_seq_len})")
+    _check(0 < d.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
+    _check(d.bpe_vocab_size >= 260, "data.bpe_vocab_size", "must be >= 260 (256 bytes + specials)")
+    _check(bool(d.data_dir), "data.data_dir", "must not be empty")
+    for i, src in enumerate(d.sources):
+        _check(Path(src).exists(), f"data.sources[{i}]", f"file {src!r} not found")
+    if d.tokenizer:
+        _check(Path(d.tokenizer).is_file(), "data.tokenizer", f"file {d.tokenizer!r} not found")
+
+    o = cfg.optim
+    _check(o.lr > 0, "optim.lr", "must be > 0")
+    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+    _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    _check(0 < o.decay_fraction <= 1, "optim.decay_fraction", "must be in (0, 1]")
+
+    t = cfg.train
+    _check(t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
+    _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+    _check(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
+    _check(bool(t.run_dir), "train.run_dir", "must not be empty")
+    for name in ("save_every", "eval_every", "eval_batches", "log_every", "sample_tokens", "debug_kill_at_step"):
+        _check(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")
+    _check(t.keep_last >= 1, "train.keep_last", "must be >= 1")
+    _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
+
+    p = cfg.parallel
+    for name in ("pp", "tp", "cp"):
+        _check(
+            getattr(p, name) == 1,
+            f"parallel.{name}",
+            f"only 1 is supported in this release, got {getattr(p, name)}",
+        )
+    _check(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
+    _check(p.dp >= 0, "parallel.dp", "must be >= 0 (0: inferred from the world size)")
+    _check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
+    _check(p.bucket_size_mb > 0, "parallel.bucket_size_mb", "must be > 0")
+    _check(
+        moe.num_experts % p.ep == 0,
+        "parallel.ep",
+        f"must divide model.moe.num_experts ({moe.num_experts}), got {p.ep}",
+    )
+    if p.stack == "fsdp":
+        _check(p.ep == 1, "parallel.ep", "the fsdp stack shards every expert instead; set parallel.ep=1")
+    if world_size is not None:
+        validate_layout(cfg, world_size)
+
+
+def validate_layout(cfg: Config, world_size: int) -> None:
+    """Checks that need the world size (run before any process-group work)."""
+    p, t = cfg.parallel, cfg.train
+    dp = p.dp or world_size
+    _check(
+        dp == world_size,
+        "parallel.dp",
+        f"dp ({dp}) must equal the world size ({world_size}) while pp, tp and cp are 1",
+    )
+    _check(
+        world_size % p.ep == 0,
+        "parallel.ep",
+        f"must divide the world size ({world_size}), got {p.ep}",
+    )
+    if p.ep > 1 and cfg.model.moe.dispatcher == "local":
+        raise ConfigError(
+            "model.moe.dispatcher: 'local' cannot reach experts on other ranks with parallel.ep > 1; "
+            "use alltoall or rowwise"
+        )
+    per_step = t.micro_batch_size * dp
+    _check(
+        t.global_batch_size % per_step == 0,
+        "train.global_batch_size",
+        f"must be a multiple of train.micro_batch_size * dp ({per_step}), got {t.global_batch_size}",
+    )
