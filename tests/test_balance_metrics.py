@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeforge.bench.balance import balance_metrics, layer_balance_metrics, model_balance_metrics
 from moeforge.config import MoEConfig
 from moeforge.model.moe.layer import MoELayer
 from moeforge.parallel.dispatch_rowwise import RowwiseDispatcher
 from moeforge.testing import run_distributed_test
+from moeforge.train.balance import balance_metrics, layer_balance_metrics, model_balance_metrics
 
 E = D = 4  # experts == model dim: the gate is a scaled identity, a one-hot token picks its expert
 

@@ -159,7 +159,7 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> Non
     for name in KILL_PHASES:
         cfg = _cfg(tmp_path, name, "single", "--train.max_steps=6")
         if not args:
-            ensure_data(cfg, True)
+            ensure_data(cfg)
         save_config(cfg, tmp_path / f"{name}.yaml")
         args += [str(tmp_path / f"{name}.yaml"), name]
     proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, *args], cwd=ROOT, capture_output=True, timeout=240)
@@ -177,7 +177,7 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> Non
 
 def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "restart", "ddp2", "--train.debug_kill_at_step=3")
-    ensure_data(cfg, True)
+    ensure_data(cfg)
     save_config(cfg, tmp_path / "restart.yaml")
     cmd = [
         sys.executable,
@@ -229,7 +229,7 @@ def _model_and_optimizer(tmp: Path, *extra: str):
     stack = LocalStack(model, cfg)
     model(torch.randint(0, 300, (2, 16))).sum().backward()
     stack.optimizer.step()
-    return model, stack.optimizer
+    return model, stack
 
 
 def test_async_save_blocks_less_than_sync_and_loads_the_same(tmp_path: Path) -> None:
@@ -254,8 +254,8 @@ def test_async_save_blocks_less_than_sync_and_loads_the_same(tmp_path: Path) -> 
     assert found is not None and found[1] == state
     for (k, a), b in zip(model.named_parameters(), fresh.parameters()):  # the snapshot, not the later change
         torch.testing.assert_close(a.detach() - 1.0, b.detach(), rtol=0, atol=1e-6, msg=k)
-    a_state = opt.state[next(iter(model.parameters()))]
-    b_state = fresh_opt.state[next(iter(fresh.parameters()))]
+    a_state = opt.optimizer.state[next(iter(model.parameters()))]
+    b_state = fresh_opt.optimizer.state[next(iter(fresh.parameters()))]
     assert torch.equal(a_state["exp_avg_sq"], b_state["exp_avg_sq"]) and float(b_state["step"]) == 1.0
 
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from moeforge.model.moe.experts import local_tensor
 from moeforge.parallel.mesh import build_mesh
-from moeforge.parallel.stack import LocalStack, TrainingStack, build_adamw, build_stack, optim_param_groups
+from moeforge.parallel.parallelize import build_stack
+from moeforge.parallel.stack import LocalStack, TrainingStack, build_adamw, optim_param_groups
 from moeforge.testing import run_distributed_test
 from tests.test_stacks import (
     assert_state_bytes_shrink,

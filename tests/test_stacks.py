@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from moeforge.config import Config, ModelConfig, MoEConfig
 from moeforge.model.transformer import MoETransformer, build_model
 from moeforge.parallel.mesh import MoEMesh, build_mesh
-from moeforge.parallel.stack import LocalStack, TrainingStack, build_stack
+from moeforge.parallel.parallelize import build_stack
+from moeforge.parallel.stack import LocalStack, TrainingStack
 from moeforge.testing import run_distributed_test
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 64, 16, 8, 2, 5

@@ -18,6 +18,15 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ConfigError(f"{name}: {msg}")
 
 
+def check_ep(ep: int, num_experts: int | None = None, world_size: int | None = None) -> None:
+    """The expert-parallel degree rules, in one place: ``ep >= 1`` dividing the experts and the world."""
+    _check(ep >= 1, "parallel.ep", f"must be >= 1, got {ep}")
+    if num_experts is not None:
+        _check(num_experts % ep == 0, "parallel.ep", f"must divide model.moe.num_experts ({num_experts}), got {ep}")
+    if world_size is not None:
+        _check(world_size % ep == 0, "parallel.ep", f"must divide the world size ({world_size}), got {ep}")
+
+
 def validate_config(cfg: Config, world_size: int | None = None) -> None:
     """Raise one ConfigError for the first violated constraint."""
     m, moe = cfg.model, cfg.model.moe
@@ -116,15 +125,10 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
             f"parallel.{name}",
             f"only 1 is supported in this release, got {getattr(p, name)}",
         )
-    _check(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
+    check_ep(p.ep, moe.num_experts)
     _check(p.dp >= 0, "parallel.dp", "must be >= 0 (0: inferred from the world size)")
     _check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
     _check(p.bucket_size_mb > 0, "parallel.bucket_size_mb", "must be > 0")
-    _check(
-        moe.num_experts % p.ep == 0,
-        "parallel.ep",
-        f"must divide model.moe.num_experts ({moe.num_experts}), got {p.ep}",
-    )
     if p.stack == "fsdp":
         _check(p.ep == 1, "parallel.ep", "the fsdp stack shards every expert instead; set parallel.ep=1")
     if world_size is not None:
@@ -140,11 +144,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         "parallel.dp",
         f"dp ({dp}) must equal the world size ({world_size}) while pp, tp and cp are 1",
     )
-    _check(
-        world_size % p.ep == 0,
-        "parallel.ep",
-        f"must divide the world size ({world_size}), got {p.ep}",
-    )
+    check_ep(p.ep, world_size=world_size)
     if p.ep > 1 and cfg.model.moe.dispatcher == "local":
         raise ConfigError(
             "model.moe.dispatcher: 'local' cannot reach experts on other ranks with parallel.ep > 1; "

@@ -1,4 +1,4 @@
-"""Parameter and FLOP accounting from the model config alone (no model is built).
+"""FLOP accounting from the model config alone (parameters counted on a meta-device model).
 
 One formula everywhere (``plan``, ``bench``, the trainer's MFU):
 
@@ -21,66 +21,9 @@ mask (as torchtitan and Megatron report it). See ``docs/flops.md``.
 from __future__ import annotations
 
 from moeforge.config import ModelConfig
+from moeforge.model.params import param_counts
 
-
-def _attention_params(cfg: ModelConfig) -> tuple[int, int]:
-    """(matmul weights, norm weights) of one attention block, layer norms excluded."""
-    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
-    matmul = d * h * hd + 2 * d * kv * hd + h * hd * d
-    if cfg.qk_norm == "full":
-        norms = h * hd + kv * hd
-    elif cfg.qk_norm == "per_head":
-        norms = 2 * hd
-    else:
-        norms = 0
-    return matmul, norms
-
-
-def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts of the model ``cfg`` describes, equal to ``count_params(build_model(cfg))``.
-
-    Keys: ``total``, ``active`` (per token: routed experts scaled by top_k / num_experts),
-    ``embedding`` (input embedding plus an untied LM head), ``total_non_embedding``,
-    ``active_non_embedding``, ``expert`` (all routed-expert weights), ``dense``
-    (everything that is not a routed expert, embeddings included), ``active_expert``,
-    ``active_matmul_non_embedding`` (what the FLOP formula multiplies by 6) and
-    ``moe_layers``.
-    """
-    if cfg.vocab_size <= 0:
-        raise ValueError(
-            "model.vocab_size: must be set (> 0) to count parameters; set it in the config "
-            "(e.g. model.vocab_size: 50304)"
-        )
-    d, moe = cfg.d_model, cfg.moe
-    attn_matmul, attn_norms = _attention_params(cfg)
-    n_moe = sum(1 for i in range(cfg.n_layers) if i not in cfg.dense_layers)
-    n_dense = cfg.n_layers - n_moe
-
-    expert_per_layer = moe.num_experts * 3 * d * moe.expert_hidden
-    router_per_layer = moe.num_experts * d
-    shared_per_layer = 3 * d * moe.shared_expert_hidden
-    dense_ffn = 3 * d * cfg.dense_hidden
-
-    embedding = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    norms = cfg.n_layers * (2 * d + attn_norms) + d
-    expert = n_moe * expert_per_layer
-    non_expert_matmul = cfg.n_layers * attn_matmul + n_moe * (router_per_layer + shared_per_layer) + n_dense * dense_ffn
-    total = embedding + norms + expert + non_expert_matmul
-    # Same rounding as moeforge.model.count_params.
-    active_expert = round(expert * moe.top_k / moe.num_experts)
-    active = total - expert + active_expert
-    return {
-        "total": total,
-        "active": active,
-        "embedding": embedding,
-        "total_non_embedding": total - embedding,
-        "active_non_embedding": active - embedding,
-        "expert": expert,
-        "dense": total - expert,
-        "active_expert": active_expert,
-        "active_matmul_non_embedding": non_expert_matmul + active_expert,
-        "moe_layers": n_moe,
-    }
+__all__ = ["flops_per_token", "mfu", "model_tflops_per_s", "param_counts"]
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -37,7 +37,7 @@ from typing import Any
 from moeforge.bench.devices import DEVICES, GB, get_device
 from moeforge.bench.flops import flops_per_token, param_counts
 from moeforge.config import Config, ConfigError, load_config
-from moeforge.model import build_model, count_params
+from moeforge.config_validation import check_ep
 
 ROUTER_FP32_COPIES = 2  # router logits and scores, kept in fp32 for backward
 
@@ -57,12 +57,8 @@ class LayoutPlan:
 
 
 def meta_param_stats(cfg: Config) -> dict[str, int]:
-    """Build the model on the meta device and count: totals, experts, and the largest block."""
-    model = build_model(cfg.model, device="meta")
-    counts = count_params(model)
-    expert = sum(p.numel() for n, p in model.named_parameters() if "experts.w" in n)
-    largest_block = max(sum(p.numel() for p in block.parameters()) for block in model.layers)
-    return {**counts, "expert": expert, "dense": counts["total"] - expert, "largest_block": largest_block}
+    """The model's parameter counts (:func:`moeforge.model.param_counts`, a meta-device build)."""
+    return param_counts(cfg.model)
 
 
 def _route_factor(cfg: Config) -> float:
@@ -163,8 +159,15 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
 def valid_layouts(cfg: Config, world: int) -> list[tuple[str, int]]:
     """(stack, ep) pairs: fsdp with ep=1, ddp with every ep dividing num_experts and the world."""
     experts = cfg.model.moe.num_experts
-    eps = [ep for ep in range(1, min(experts, world) + 1) if experts % ep == 0 and world % ep == 0]
-    return [("fsdp", 1)] + [("ddp", ep) for ep in eps]
+
+    def valid(ep: int) -> bool:
+        try:
+            check_ep(ep, experts, world)
+        except ConfigError:
+            return False
+        return True
+
+    return [("fsdp", 1)] + [("ddp", ep) for ep in range(1, min(experts, world) + 1) if valid(ep)]
 
 
 def _host_memory_bytes() -> float:
@@ -188,7 +191,6 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
     else:
         mem_bytes = _host_memory_bytes()
     stats = meta_param_stats(cfg)
-    stats["moe_layers"] = param_counts(cfg.model)["moe_layers"]
     seq = cfg.data.seq_len
     layouts = [plan_layout(cfg, stats, stack, ep, world, mem_bytes) for stack, ep in valid_layouts(cfg, world)]
     return {

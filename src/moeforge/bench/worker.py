@@ -13,15 +13,19 @@ under ``torchrun``; rank 0 writes ``D/result.json``. What one run does, in order
    rank at once, averaged); on GPU the datasheet table (a bf16 probe for
    parts not in it).
 4. Runs ``warmup`` steps, then ``steps`` timed steps (wall clock, the slowest
-   rank counts), with forward hooks summing each MoE layer's routes per expert
-   and dropped routes.
+   rank counts) through :meth:`Trainer.run_step`, the method ``fit`` uses, and
+   sums the steps' load vectors (already reduced over every micro-batch and
+   rank) for the balance metrics of :mod:`moeforge.train.balance`, the same
+   function the trainer's ``metrics.jsonl`` comes from.
 5. Runs one more step under ``torch.profiler`` and takes as communication time
    the wall time during which at least one collective was in flight (union of
    ``gloo:*`` events on CPU, of NCCL kernels on GPU). It is kept out of the
    throughput numbers, since profiling slows the step.
-6. Saves a checkpoint with ``trainer.save()`` (until written, also with
-   ``train.async_save``; the blocking part is recorded apart) and loads it with
-   ``trainer.maybe_resume()``, timing each between barriers.
+6. Saves a checkpoint with the trainer's checkpoint manager and loads it with
+   ``trainer.maybe_resume()``. The save's *blocking* time is what the training
+   loop waits for (with ``train.async_save``: the CPU snapshot only, the
+   slowest rank's), measured after any earlier save has been joined; its total
+   time runs until the checkpoint is published.
 """
 
 from __future__ import annotations
@@ -39,17 +43,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from moeforge.bench.balance import balance_metrics
 from moeforge.bench.devices import cpu_peak_tflops, device_from_cuda_name, measure_matmul_tflops, peak_tflops
 from moeforge.bench.flops import flops_per_token, model_tflops_per_s, param_counts
 from moeforge.config import load_config
 from moeforge.data import ShardedLoader, TokenWindows
-from moeforge.model.moe.dispatch import DispatchStats
-from moeforge.train.schedule import lr_at
+from moeforge.parallel.mesh import MoEMesh
+from moeforge.train.balance import per_layer_metrics
+from moeforge.train.checkpoint_store import checkpoints_dir, step_name
 from moeforge.train.trainer import Trainer
 
 log = logging.getLogger("moeforge.bench.worker")
@@ -84,39 +88,6 @@ def take_batches(loader: ShardedLoader, dataset: TokenWindows, n: int, rank: int
 
 
 # ----------------------------------------------------------------------- measurement
-
-
-class LoadTracker:
-    """Forward hooks that sum routes per expert and dropped routes of every MoE layer while ``active``."""
-
-    def __init__(self, layers: list[nn.Module], num_experts: int, device: torch.device) -> None:
-        self.active = False
-        self.counts = torch.zeros(len(layers), num_experts, device=device)
-        self.dropped = torch.zeros(len(layers), device=device)
-        self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)]
-
-    def _hook(self, i: int) -> Any:
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if not self.active:
-                return
-            self.counts[i] += module.last_routing.tokens_per_expert.to(self.counts.device)
-            dropped = module.dispatcher.stats.dropped_routes
-            if dropped is not None:
-                self.dropped[i] += dropped.detach().float().sum().to(self.dropped.device)
-
-        return hook
-
-    def remove(self) -> None:
-        """Detach the hooks."""
-        for h in self.handles:
-            h.remove()
-
-    def metrics(self, ep: int, group: dist.ProcessGroup | None) -> list[dict[str, float]]:
-        """Per-layer balance metrics over the whole world (every rank must call it)."""
-        return [
-            balance_metrics(self.counts[i], stats=DispatchStats(dropped_routes=self.dropped[i]), ep=ep, group=group)
-            for i in range(self.counts.shape[0])
-        ]
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -164,11 +135,11 @@ def device_peak(trainer: Trainer, probe_s: float, given: dict[str, float] | None
     if given is not None:
         source = f"{precision} matmul probe of this bench run, {threads} thread(s), one process at a time"
         return peak_tflops("cpu", precision, given), source, dict(given)
-    _barrier()
+    _barrier(trainer.mesh)
     local = cpu_peak_tflops(min_time_s=probe_s)
     both = torch.tensor([local["fp32"], local["bf16"]], dtype=torch.float64)
-    _all_reduce(both, dist.ReduceOp.SUM)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    _all_reduce(both, dist.ReduceOp.SUM, trainer.mesh)
+    world = trainer.mesh.world_size
     measured = {"fp32": float(both[0]) / world, "bf16": float(both[1]) / world}
     source = f"{precision} matmul probe, {threads} thread(s) per rank, all {world} rank(s) at once, mean over ranks"
     return peak_tflops("cpu", precision, measured), source, measured
@@ -189,13 +160,13 @@ def dispatcher_name(trainer: Trainer) -> str:
     return type(layers[0].dispatcher).__name__.removesuffix("Dispatcher").lower()
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
+def _barrier(mesh: MoEMesh) -> None:
+    if mesh.distributed:
         dist.barrier()
 
 
-def _all_reduce(t: Tensor, op: Any) -> Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def _all_reduce(t: Tensor, op: Any, mesh: MoEMesh) -> Tensor:
+    if mesh.distributed:
         dist.all_reduce(t, op=op)
     return t
 
@@ -210,24 +181,39 @@ def per_rank(values: list[float], trainer: Trainer) -> list[list[float]]:
     world = trainer.mesh.world_size
     table = torch.zeros(world, len(values), dtype=torch.float64, device=trainer.device)
     table[trainer.rank] = torch.tensor(values, dtype=torch.float64, device=trainer.device)
-    return _all_reduce(table, dist.ReduceOp.SUM).cpu().tolist()
+    return _all_reduce(table, dist.ReduceOp.SUM, trainer.mesh).cpu().tolist()
 
 
-def _wait_for_save(trainer: Trainer) -> None:
-    """Join an asynchronous checkpoint write (``train.async_save``), if one is in flight."""
-    manager = getattr(trainer, "checkpointer", None)
-    if manager is not None and hasattr(manager, "wait"):
-        manager.wait()
-
-
-def _timed(fn: Any, device: torch.device) -> float:
-    _sync(device)
-    _barrier()
+def _timed(fn: Any, trainer: Trainer) -> float:
+    """Seconds from a common start until every rank has finished ``fn`` (the slowest rank counts)."""
+    _sync(trainer.device)
+    _barrier(trainer.mesh)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
-    _barrier()
+    _sync(trainer.device)
+    _barrier(trainer.mesh)
     return time.perf_counter() - t0
+
+
+def time_checkpoint(trainer: Trainer) -> dict[str, float]:
+    """Save the current state and load it back; seconds blocked, seconds until published, seconds to load, bytes.
+
+    Any earlier background save is joined first, so ``blocking_s`` is only what
+    this save makes the training loop wait for: the CPU snapshot with
+    ``train.async_save``, the whole write without.
+    """
+    manager = trainer.checkpointer
+    _timed(manager.wait, trainer)
+    save = lambda: manager.save(trainer.step, trainer.model, trainer.stack, trainer.trainer_state())  # noqa: E731
+    blocking = _timed(save, trainer)
+    total = blocking + _timed(manager.wait, trainer)
+    load = _timed(trainer.maybe_resume, trainer)
+    path = checkpoints_dir(trainer.run_dir) / step_name(trainer.step)
+    nbytes = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if trainer.is_main else 0
+    _barrier(trainer.mesh)
+    if trainer.is_main:
+        shutil.rmtree(path.parent, ignore_errors=True)  # the run's checkpoints directory
+    return {"blocking_s": blocking, "total_s": total, "load_s": load, "bytes": float(nbytes)}
 
 
 # --------------------------------------------------------------------------- the run
@@ -252,57 +238,50 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    def one_step(micro: list[Tensor]) -> Any:
-        trainer.stack.set_lr(lr_at(trainer.step, cfg.train.max_steps, cfg.optim))
-        result = trainer.train_step(micro)
-        trainer.step += 1
-        return result
-
     for i in range(args.warmup):
-        one_step(batches[i])
-    tracker = LoadTracker(trainer.model.moe_layers(), cfg.model.moe.num_experts, device)
+        trainer.run_step(batches[i])
     losses, grad_norms, step_times, skipped = [], [], [], 0
+    load, load_sources = None, 0
     _sync(device)
-    _barrier()
-    tracker.active = True
+    _barrier(mesh)
     t0 = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
         t_step = time.perf_counter()
-        result = one_step(batches[i])
+        result = trainer.run_step(batches[i])
         _sync(device)
         step_times.append(time.perf_counter() - t_step)
         losses.append(result.loss)
         grad_norms.append(result.grad_norm)
         skipped += int(result.skipped)
+        load = result.load if load is None else load + result.load
+        load_sources += result.load_sources
     elapsed_local = time.perf_counter() - t0
-    tracker.active = False
-    elapsed = float(_all_reduce(torch.tensor([elapsed_local], device=device), dist.ReduceOp.MAX).item())
-    layers = tracker.metrics(mesh.ep, mesh.dp_group)
-    tracker.remove()
+    elapsed = float(_all_reduce(torch.tensor([elapsed_local], device=device), dist.ReduceOp.MAX, mesh).item())
+    balance: dict[str, Any] = {}
+    if load is not None and len(load):
+        balance = per_layer_metrics(load, cfg.model.moe.num_experts, mesh.ep, load_sources)
+    n_layers = len(load) if load is not None else 0
+    layers = [
+        {k.split("/", 2)[2]: v for k, v in balance.items() if k.startswith(f"moe/layer{i}/")} for i in range(n_layers)
+    ]
     mem, mem_kind = peak_memory_bytes(device)
 
     comm_local, profiled_local = float("nan"), float("nan")
     if args.profile:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        _barrier()
+        _barrier(mesh)
         with profile(activities=activities) as prof:
             t_prof = time.perf_counter()
-            one_step(batches[-1])
+            trainer.run_step(batches[-1])
             _sync(device)
             profiled_local = time.perf_counter() - t_prof
         comm_local = collective_seconds(prof)
 
     save_s = save_blocking_s = load_s = ckpt_bytes = None
     if args.checkpoint:
-        saved: list[Path] = []
-        save_blocking_s = _timed(lambda: saved.append(trainer.save()), device)
-        save_s = save_blocking_s + _timed(lambda: _wait_for_save(trainer), device)
-        load_s = _timed(trainer.maybe_resume, device)
-        if trainer.is_main:
-            ckpt_bytes = sum(p.stat().st_size for p in saved[0].rglob("*") if p.is_file())
-        _barrier()
-        if trainer.is_main:
-            shutil.rmtree(saved[0].parent, ignore_errors=True)  # the run's checkpoints directory
+        ckpt = time_checkpoint(trainer)
+        save_blocking_s, save_s, load_s = ckpt["blocking_s"], ckpt["total_s"], ckpt["load_s"]
+        ckpt_bytes = int(ckpt["bytes"]) if trainer.is_main else None
 
     ranks = per_rank([mem, comm_local, profiled_local], trainer)
     seq_len, world = cfg.data.seq_len, mesh.world_size
@@ -374,10 +353,14 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         # every MoE layer routes the same N * k routes, so the mean over layers is the overall fraction
         "dropped_frac": sum(layer["dropped_frac"] for layer in layers) / len(layers) if layers else 0.0,
         "load_per_layer": layers,
+        "expert_load_max_over_mean_per_layer": balance.get("expert_load_max_over_mean", []),
+        "expert_load": balance.get("expert_load", []),
+        "ep_rank_load": balance.get("ep_rank_load", []),
         "losses": losses,
         "grad_norms": grad_norms,
         "skipped_steps": skipped,
         "final_loss": losses[-1],
+        "_is_main": trainer.is_main,
     }
 
 
@@ -404,11 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench worker: --warmup must be >= 0 and --steps >= 1")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     record = run_variant(args)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    is_main = record.pop("_is_main")
+    if is_main:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / RESULT_FILE).write_text(json.dumps(record, indent=1))
-    if dist.is_initialized():
+    if record["world_size"] > 1:  # the worker process ends here: leave the group the trainer joined
         dist.barrier()
         dist.destroy_process_group()
     return 0

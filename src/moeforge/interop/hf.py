@@ -28,7 +28,7 @@ from torch import Tensor
 
 from moeforge.config import ModelConfig
 from moeforge.interop.hf_config import config_from_hf, config_to_hf
-from moeforge.interop.safetensors_io import full_state_dict, is_writer_rank, load_state_checked
+from moeforge.interop.safetensors_io import full_state_dict, load_state_checked
 from moeforge.model import MoETransformer
 
 logger = logging.getLogger(__name__)
@@ -153,11 +153,11 @@ def moeforge_to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dic
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str) -> Path:
+def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str, writer: bool = True) -> Path:
     """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
 
     ``flavor`` is 'olmoe' or 'qwen3_moe'. With DTensor (expert-parallel) parameters call it on
-    every rank: the full tensors are gathered collectively and rank 0 writes.
+    every rank (the full tensors are gathered collectively) with ``writer=True`` on rank 0 only.
     """
     cfg = model.cfg
     hf_config = config_to_hf(cfg, flavor)
@@ -173,7 +173,7 @@ def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str) -> Path:
     dtype = str(state["embed_tokens.weight"].dtype).removeprefix("torch.")
     hf_config["dtype"] = hf_config["torch_dtype"] = dtype
     out = Path(out_dir)
-    if is_writer_rank():
+    if writer:
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
@@ -24,11 +23,6 @@ from moeforge.config import ModelConfig, from_dict
 logger = logging.getLogger(__name__)
 
 _CONFIG_KEY = "moeforge_model_config"
-
-
-def is_writer_rank() -> bool:
-    """True on the process that writes files: rank 0, or the only process."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _is_dtensor(t: Tensor) -> bool:
@@ -84,8 +78,12 @@ def load_state_checked(model: nn.Module, state: dict[str, Tensor], source: str) 
             t.copy_(src)
 
 
-def to_safetensors(model: nn.Module, path: str | Path) -> Path:
-    """Write the model's full state dict to one safetensors file (tied weights stored once)."""
+def to_safetensors(model: nn.Module, path: str | Path, writer: bool = True) -> Path:
+    """Write the model's full state dict to one safetensors file (tied weights stored once).
+
+    With DTensor parameters call it on every rank (the gather is collective) and pass
+    ``writer=True`` on exactly one of them (rank 0).
+    """
     state = full_state_dict(model)
     for key in _tied_keys(model):
         state.pop(key, None)
@@ -94,7 +92,7 @@ def to_safetensors(model: nn.Module, path: str | Path) -> Path:
     if isinstance(cfg, ModelConfig):
         metadata[_CONFIG_KEY] = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
     out = Path(path)
-    if is_writer_rank():
+    if writer:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata=metadata)
         logger.info("wrote %d tensors to %s", len(state), out)

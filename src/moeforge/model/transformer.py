@@ -75,32 +75,6 @@ class MoETransformer(nn.Module):
             m.router.expert_bias.zero_()
 
 
-def count_params(model: MoETransformer) -> dict[str, int]:
-    """Total and active (per token) parameter counts, with and without embeddings."""
-    cfg = model.cfg
-    total = embed = expert = 0
-    seen: set[int] = set()
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        n = p.numel()
-        total += n
-        if name.startswith(("embed_tokens", "lm_head")):
-            embed += n
-        if "experts.w" in name:
-            expert += n
-    frac = cfg.moe.top_k / cfg.moe.num_experts
-    active = total - expert + round(expert * frac)
-    return {
-        "total": total,
-        "active": active,
-        "embedding": embed,
-        "total_non_embedding": total - embed,
-        "active_non_embedding": active - embed,
-    }
-
-
 def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> MoETransformer:
     """Build and initialise a model from its config (``device='meta'`` allocates nothing)."""
     with torch.device(device):

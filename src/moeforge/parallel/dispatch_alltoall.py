@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moeforge.config_validation import check_ep
 from moeforge.model.moe.dispatch import (
     Dispatcher,
     DispatchStats,
@@ -95,8 +96,7 @@ class AllToAllDispatcher(Dispatcher):
         self.num_experts = num_experts
         self.ep_group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-        if num_experts % self.ep != 0:
-            raise ValueError(f"model.moe.num_experts ({num_experts}) must be divisible by parallel.ep ({self.ep})")
+        check_ep(self.ep, num_experts)
         self.num_local_experts = num_experts // self.ep
         self._local = LocalDispatcher(num_experts) if self.ep == 1 else None
         self.stats = DispatchStats()

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moeforge.config_validation import check_ep
 from moeforge.model.moe.dispatch import Dispatcher, DispatchStats
 
 
@@ -115,8 +116,7 @@ class RowwiseDispatcher(Dispatcher):
         self.num_experts = num_experts
         self.ep_group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-        if num_experts % self.ep != 0:
-            raise ValueError(f"parallel.ep: must divide model.moe.num_experts ({num_experts}), got {self.ep}")
+        check_ep(self.ep, num_experts)
         self.num_local_experts = num_experts // self.ep
         self.capacity_factor = capacity_factor
         self.stats = DispatchStats()

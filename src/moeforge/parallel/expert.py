@@ -11,22 +11,22 @@ dispatchers on a built model.
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from moeforge.config_validation import check_ep
 from moeforge.model.moe.dispatch import Dispatcher, LocalDispatcher
 from moeforge.model.moe.layer import MoELayer
 from moeforge.model.transformer import MoETransformer
 from moeforge.parallel.dispatch_alltoall import AllToAllDispatcher
+from moeforge.parallel.dispatch_rowwise import RowwiseDispatcher
 from moeforge.parallel.mesh import MoEMesh
 
 logger = logging.getLogger(__name__)
 
 DISPATCHERS = ("local", "alltoall", "rowwise")
-_ROWWISE_MODULE = "moeforge.parallel.dispatch_rowwise"
 
 
 def make_dispatcher(layer: MoELayer, mesh: MoEMesh, dispatcher: str) -> Dispatcher:
@@ -43,16 +43,7 @@ def make_dispatcher(layer: MoELayer, mesh: MoEMesh, dispatcher: str) -> Dispatch
     if dispatcher == "alltoall":
         return AllToAllDispatcher(num_experts, ep_group)
     if dispatcher == "rowwise":
-        try:
-            module = importlib.import_module(_ROWWISE_MODULE)
-        except ModuleNotFoundError as err:
-            if err.name != _ROWWISE_MODULE:
-                raise
-            raise ImportError(
-                f"model.moe.dispatcher: 'rowwise' needs {_ROWWISE_MODULE}, which is not available "
-                "in this installation; use 'alltoall'"
-            ) from err
-        return module.RowwiseDispatcher(num_experts, ep_group, layer.cfg.capacity_factor)
+        return RowwiseDispatcher(num_experts, ep_group, layer.cfg.capacity_factor)
     raise ValueError(f"model.moe.dispatcher: must be one of {', '.join(DISPATCHERS)}, got {dispatcher!r}")
 
 
@@ -68,7 +59,9 @@ def parallelize_experts(model: MoETransformer, mesh: MoEMesh, dispatcher: str = 
     """Shard every MoE layer's experts over ``mesh.ep_mesh`` and install ``dispatcher``; returns ``model``.
 
     With ``mesh.ep == 1`` the weights stay plain tensors (every rank holds all
-    experts) and only the dispatcher is installed. Call this before building
+    experts) and only the dispatcher is installed. Random routing draws from a
+    stream of its own on every rank (``mesh.rank``), so ranks do not route their
+    tokens identically. Call this before building
     the optimizer, since the expert parameters are replaced.
     """
     if dispatcher not in DISPATCHERS:
@@ -78,10 +71,9 @@ def parallelize_experts(model: MoETransformer, mesh: MoEMesh, dispatcher: str = 
     if shard:
         if mesh.ep_mesh is None or mesh.ep_group is None:
             raise ValueError(f"parallel.ep = {mesh.ep} needs an initialised mesh (build_mesh after init_process_group)")
-        num_experts = model.cfg.moe.num_experts
-        if num_experts % mesh.ep != 0:
-            raise ValueError(f"parallel.ep: must divide model.moe.num_experts ({num_experts}), got {mesh.ep}")
+        check_ep(mesh.ep, model.cfg.moe.num_experts)
     for layer in layers:
+        layer.router.set_random_stream(mesh.rank)
         if shard:
             layer.experts.w1 = _shard_param(layer.experts.w1, mesh)
             layer.experts.w2 = _shard_param(layer.experts.w2, mesh)

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 Box = tuple[list[int], list[int], int]  # (offsets, sizes, flat start of the box)
 
@@ -103,3 +104,11 @@ def sharded_flat_tensor(
     meta = ShardedTensorMetadata(metas, torch.Size(global_shape), props)
     with quiet_sharded_tensor():
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+
+
+def snapshot(t: Tensor) -> Tensor:
+    """A CPU copy for a checkpoint that training cannot change (a DTensor stays a DTensor over the same mesh)."""
+    if isinstance(t, DTensor):
+        local = t.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
+    return t.detach().to("cpu", copy=True)

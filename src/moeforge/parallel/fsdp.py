@@ -15,9 +15,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config
 from moeforge.parallel.mesh import MoEMesh
@@ -59,8 +58,3 @@ class FSDPStack(TrainingStack):
 
     def finish_grad_sync(self) -> None:
         """Nothing to do: FSDP2 waits for its reduce-scatters at the end of the last backward."""
-
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm

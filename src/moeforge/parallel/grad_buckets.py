@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moeforge.model.moe.experts import local_tensor
+from moeforge.model.params import EXPERT, named_parameter_roles
 from moeforge.parallel.mesh import MoEMesh
 
 # Names introduced in torch 2.13; older releases only have the *_tensor spellings.
@@ -51,11 +52,6 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 SHARD_ALIGN = 16  # elements; keeps every shard 64-byte aligned in fp32
-
-
-def is_expert_param(name: str) -> bool:
-    """Routed-expert weights (sharded over ep, reduced over edp)."""
-    return "experts.w" in name
 
 
 @dataclass
@@ -160,22 +156,26 @@ class GradBucket:
         self.launched = False
 
 
-def _bucket_group(name: str, mesh: MoEMesh) -> dist.ProcessGroup | None:
-    if is_expert_param(name) and mesh.ep > 1:
+def _bucket_group(role: str, mesh: MoEMesh) -> dist.ProcessGroup | None:
+    if role == EXPERT and mesh.ep > 1:
         return mesh.edp_group if mesh.edp > 1 else None
     return mesh.dp_group if mesh.dp > 1 else None
 
 
 def build_buckets(
-    named_params: Iterable[tuple[str, nn.Parameter]], mesh: MoEMesh, bucket_size_mb: float
+    named_params: Iterable[tuple[str, nn.Parameter, str]], mesh: MoEMesh, bucket_size_mb: float
 ) -> list[GradBucket]:
-    """Pack parameters (reverse order) into buckets of one group and dtype, ordered by completion."""
+    """Pack ``(fqn, parameter, role)`` (reverse order) into buckets of one group and dtype, ordered by completion.
+
+    The role (:mod:`moeforge.model.params`) picks the group: experts over edp, the rest over dp.
+    """
     cap = max(1, int(bucket_size_mb * 2**20))
     open_: dict[tuple[int, torch.dtype], tuple[list, int, dist.ProcessGroup | None]] = {}
     closed: list[tuple[list, dist.ProcessGroup | None, torch.dtype]] = []
-    ordered = list(named_params)[::-1]
-    for name, p in ordered:
-        group = _bucket_group(name, mesh)
+    entries = list(named_params)[::-1]
+    ordered = [(name, p) for name, p, _ in entries]
+    for name, p, role in entries:
+        group = _bucket_group(role, mesh)
         dtype = local_tensor(p).dtype
         key = (id(group), dtype)
         members, nbytes, _ = open_.get(key, ([], 0, group))
@@ -198,12 +198,7 @@ class GradReducer:
     """Owns the buckets, the backward hooks and the launch order (see the module docstring)."""
 
     def __init__(self, model: nn.Module, mesh: MoEMesh, bucket_size_mb: float, overlap: bool) -> None:
-        seen: set[int] = set()
-        named = []
-        for name, p in model.named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                named.append((name, p))
+        named = [(name, p, role) for name, p, role in named_parameter_roles(model) if p.requires_grad]
         self.overlap = overlap
         self.scale = 1.0 / mesh.dp
         self.buckets = build_buckets(named, mesh, bucket_size_mb)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moeforge.config import ParallelConfig
+from moeforge.config_validation import check_ep
 
 
 @dataclass
@@ -60,8 +61,7 @@ def build_mesh(cfg: ParallelConfig, device_type: str = "cpu") -> MoEMesh:
     if not dist.is_available() or not dist.is_initialized():
         return MoEMesh()
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % cfg.ep != 0:
-        raise ValueError(f"parallel.ep: must divide the world size ({world}), got {cfg.ep}")
+    check_ep(cfg.ep, world_size=world)
     mesh = init_device_mesh(device_type, (world // cfg.ep, cfg.ep), mesh_dim_names=("edp", "ep"))
     return MoEMesh(
         world_size=world,

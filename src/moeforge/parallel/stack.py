@@ -1,39 +1,54 @@
-"""The training stack: a model laid out over the mesh plus the optimizer that fits that layout.
+"""The training-stack interface the trainer talks to, the single-process stack, and shared optimizer pieces.
 
-The trainer only talks to :class:`TrainingStack`. ``build_stack`` picks the
-implementation from ``parallel.stack`` and the world size: a single process
-uses :class:`LocalStack` (torch AdamW); ``ddp`` uses :class:`DDPStack`
-(experts sharded over ep, bucketed gradient reduction, the distributed
-optimizer); ``fsdp`` uses :class:`~moeforge.parallel.fsdp.FSDPStack`.
+A :class:`TrainingStack` is a model laid out over the mesh plus the optimizer
+that fits that layout. Implementations: :class:`LocalStack` (one process,
+torch AdamW), :class:`~moeforge.parallel.ddp.DDPStack` (experts resident over
+ep, bucketed reduce-scatter, the distributed optimizer) and
+:class:`~moeforge.parallel.fsdp.FSDPStack` (FSDP2). Each stack also exposes
+its optimizer state in the canonical, topology-neutral checkpoint format
+(``{"<fqn>.exp_avg" | ".exp_avg_sq" | ".step" [| ".master"]: tensor}``), so the
+checkpoint code never needs to know which optimizer it holds.
+:func:`~moeforge.parallel.parallelize.build_stack` picks one.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config
-from moeforge.parallel.expert import parallelize_experts
-from moeforge.parallel.grad_buckets import GradReducer
-from moeforge.parallel.mesh import MoEMesh
-from moeforge.parallel.optimizer import DistributedOptimizer
+from moeforge.model.params import DECAY, named_parameter_roles
+from moeforge.parallel.flat_shards import snapshot
 
 
 def optim_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices, none on norms, biases and embeddings."""
-    decay, no_decay, seen = [], [], set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        if p.ndim < 2 or "embed" in name or "norm" in name:
-            no_decay.append(p)
-        else:
-            decay.append(p)
+    """AdamW groups by parameter role: decay on matrices; none on norms, biases and embeddings."""
+    decay, no_decay = [], []
+    for _, p, role in named_parameter_roles(model):
+        if p.requires_grad:
+            (decay if role == DECAY else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def build_adamw(params: list[dict], cfg: Config) -> torch.optim.AdamW:
+    """torch AdamW with the config's hyper-parameters."""
+    o = cfg.optim
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+
+
+def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create torch AdamW's per-parameter state as its first step would (zeros, step 0)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 class TrainingStack:
@@ -42,7 +57,8 @@ class TrainingStack:
     Per optimizer step the trainer calls ``set_grad_sync(is_last)`` before each
     micro-batch's backward, ``finish_grad_sync()`` after the last one,
     ``clip_grad_norm_`` (global norm over every shard and group), then ``step()``
-    unless the norm is not finite, and ``zero_grad()``.
+    unless the norm is not finite, and ``zero_grad()``. The default methods
+    implement torch AdamW on (possibly DTensor) parameters.
     """
 
     model: nn.Module
@@ -56,7 +72,9 @@ class TrainingStack:
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Return the global gradient norm before clipping; clip when ``max_norm > 0``."""
-        raise NotImplementedError
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def step(self) -> None:
         """Apply the optimizer update (and re-gather weights where sharded)."""
@@ -71,73 +89,28 @@ class TrainingStack:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def optimizer_state_dict(self, copy: bool = False) -> dict[str, Tensor]:
+        """The optimizer state in the canonical checkpoint keys; views of the live state unless ``copy``.
 
-def build_adamw(params: list[dict], cfg: Config) -> torch.optim.AdamW:
-    """torch AdamW with the config's hyper-parameters."""
-    o = cfg.optim
-    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+        DCP loads into these tensors in place; finish with :meth:`load_optimizer_state_dict`.
+        """
+        _ensure_adam_state(self.optimizer)
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        out: dict[str, Tensor] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for k in ("step", "exp_avg", "exp_avg_sq"):
+                    v = self.optimizer.state[p][k]
+                    out[f"{names[id(p)]}.{k}"] = snapshot(v) if copy else v
+        return out
+
+    def load_optimizer_state_dict(self, loaded: dict[str, Tensor]) -> None:
+        """Take up the tensors of :meth:`optimizer_state_dict` after DCP filled them (torch AdamW: nothing to do)."""
 
 
 class LocalStack(TrainingStack):
-    """One process: plain AdamW, local gradient norm."""
+    """One process: plain torch AdamW, local gradient norm."""
 
     def __init__(self, model: nn.Module, cfg: Config) -> None:
         self.model = model
         self.optimizer = build_adamw(optim_param_groups(model, cfg.optim.weight_decay), cfg)
-
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-
-
-class DDPStack(TrainingStack):
-    """Dense weights replicated, experts resident (sharded over ep), gradients bucketed and
-    reduce-scattered into the :class:`DistributedOptimizer`'s shards.
-
-    Dense gradients are reduced over ``mesh.dp_group``, expert gradients over
-    ``mesh.edp_group`` only. Apply :func:`~moeforge.parallel.expert.parallelize_experts`
-    before building it (``build_stack`` does).
-    """
-
-    def __init__(self, model: nn.Module, cfg: Config, mesh: MoEMesh) -> None:
-        self.model = model
-        self.reducer = GradReducer(model, mesh, cfg.parallel.bucket_size_mb, overlap=cfg.parallel.overlap_grad_reduce)
-        o = cfg.optim
-        self.optimizer = DistributedOptimizer(
-            optim_param_groups(model, o.weight_decay),
-            self.reducer,
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            norm_group=mesh.dp_group,
-        )
-
-    def set_grad_sync(self, enabled: bool) -> None:
-        self.reducer.set_sync(enabled)
-
-    def finish_grad_sync(self) -> None:
-        self.reducer.finish()
-
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        return self.optimizer.clip_grad_norm_(max_norm)
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-
-
-def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
-    """Lay the model out over ``mesh`` and build the matching optimizer.
-
-    Every stack installs the configured dispatcher first; only the ddp stack
-    shards experts over ``ep`` (FSDP shards every expert over all ranks instead).
-    """
-    parallelize_experts(model, mesh, cfg.model.moe.dispatcher)  # type: ignore[arg-type]
-    if not mesh.distributed:
-        return LocalStack(model, cfg)
-    if cfg.parallel.stack == "fsdp":
-        from moeforge.parallel.fsdp import FSDPStack
-
-        return FSDPStack(model, cfg, mesh)
-    if cfg.parallel.stack == "ddp":
-        return DDPStack(model, cfg, mesh)
-    raise ValueError(f"parallel.stack: must be 'ddp' or 'fsdp', got {cfg.parallel.stack!r}")

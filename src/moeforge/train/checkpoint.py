@@ -26,19 +26,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from moeforge.parallel.flat_shards import quiet_sharded_tensor
+from moeforge.parallel.flat_shards import quiet_sharded_tensor, snapshot
+from moeforge.parallel.mesh import MoEMesh
+from moeforge.parallel.stack import TrainingStack
 from moeforge.train.checkpoint_state import (
     MODEL,
     OPTIM,
     check_model_keys,
-    finish_optimizer_load,
     flatten_counters,
     logical_shape,
     model_state,
-    optimizer_state,
     rng_state,
     set_rng_state,
-    snapshot,
     unflatten_counters,
 )
 from moeforge.train.checkpoint_store import (
@@ -76,12 +75,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
+def optimizer_entries(stack: TrainingStack, copy: bool = False) -> dict[str, Tensor]:
+    """The stack's optimizer state under the checkpoint's ``optim.`` keys."""
+    return {OPTIM + k: v for k, v in stack.optimizer_state_dict(copy=copy).items()}
 
 
 @dataclass
@@ -95,9 +91,15 @@ class SaveStats:
 
 
 def load_checkpoint_into(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, template: dict[str, Any]
+    path: Path,
+    model: nn.Module,
+    stack: TrainingStack | None,
+    template: dict[str, Any],
+    mesh: MoEMesh | None = None,
 ) -> dict[str, Any]:
-    """Load ``path`` into the live model and optimizer (all ranks); returns the trainer state shaped like ``template``.
+    """Load ``path`` into the live model and the stack's optimizer (every rank of ``mesh``).
+
+    Returns the trainer state shaped like ``template``.
 
     The optimizer starts fresh when the checkpoint has no optimizer state (one
     converted from Hugging Face); RNG states are restored for ranks the
@@ -108,24 +110,27 @@ def load_checkpoint_into(
     entries = model_state(model)
     check_model_keys(entries, saved, f"checkpoint {path}")
     state: dict[str, Any] = dict(entries)
+    mesh = mesh or MoEMesh()
     optim: dict[str, Tensor] = {}
-    if optimizer is not None and any(k.startswith(OPTIM) for k in saved):
-        optim = {k: v for k, v in optimizer_state(optimizer, model).items() if k in saved or not k.endswith(".master")}
+    if stack is not None and any(k.startswith(OPTIM) for k in saved):
+        optim = {k: v for k, v in optimizer_entries(stack).items() if k in saved or not k.endswith(".master")}
         bad = sorted(k for k, v in optim.items() if k not in saved or tuple(saved[k].size) != logical_shape(v))
         if bad:
             raise CheckpointMismatchError(f"checkpoint {path}: optimizer state lacks or misshapes {bad[:8]}")
         state.update(optim)
-    elif optimizer is not None:
+    elif stack is not None:
         log.info("checkpoint %s has no optimizer state; the optimizer starts fresh", path)
     counters = {k: v for k, v in flatten_counters(template).items() if k in saved}
-    rng = {k: v for k, v in rng_state(_rank()).items() if k in saved and tuple(saved[k].size) == tuple(v.shape)}
+    rng = {
+        k: v for k, v in rng_state(mesh.rank, model).items() if k in saved and tuple(saved[k].size) == tuple(v.shape)
+    }
     state.update(counters)
     state.update(rng)
     with quiet_sharded_tensor():
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not _dist())
-    if optimizer is not None:
-        finish_optimizer_load(optimizer, optim)
-    set_rng_state(rng)
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not mesh.distributed)
+    if stack is not None:
+        stack.load_optimizer_state_dict({k[len(OPTIM) :]: v for k, v in optim.items()})
+    set_rng_state(rng, model)
     return unflatten_counters(template, counters)
 
 
@@ -133,42 +138,49 @@ class CheckpointManager:
     """Saves and resumes the checkpoints of one run directory; every rank creates one and calls it alike."""
 
     def __init__(
-        self, run_dir: str | Path, keep_last: int = 2, async_save: bool = False, device: torch.device | None = None
+        self,
+        run_dir: str | Path,
+        keep_last: int = 2,
+        async_save: bool = False,
+        device: torch.device | None = None,
+        mesh: MoEMesh | None = None,
     ) -> None:
+        self.mesh = mesh or MoEMesh()
+        self.distributed = self.mesh.distributed
         self.run_dir = Path(run_dir)
         self.root = checkpoints_dir(run_dir)
         self.keep_last = keep_last
         self.async_save = async_save
         self.device = device or torch.device("cpu")
-        self.rank = _rank()
+        self.rank = self.mesh.rank
         self._pending: Future[SaveStats] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._group = None
         if async_save:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeforge-ckpt")
-            if _dist():
+            if self.distributed:
                 self._group = dist.new_group(backend="gloo")
         if self.rank == 0 and self.root.is_dir():
             clean_stale(self.root)
-        if _dist():
+        if self.distributed:
             dist.barrier()
         self.last_save: SaveStats | None = None
 
     # ------------------------------------------------------------------ save
 
     def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict[str, Any]
+        self, step: int, model: nn.Module, stack: TrainingStack | None, trainer_state: dict[str, Any]
     ) -> SaveStats:
         """Checkpoint ``step``; returns after the snapshot (async) or the publication (sync)."""
         self.wait()
         t0 = time.perf_counter()
         copy = self.async_save
         state: dict[str, Any] = {k: (snapshot(v) if copy else v) for k, v in model_state(model).items()}
-        if optimizer is not None:
-            state.update(optimizer_state(optimizer, model, copy=copy))
+        if stack is not None:
+            state.update(optimizer_entries(stack, copy=copy))
         state.update(flatten_counters(trainer_state))
-        state.update(rng_state(self.rank))
-        manifest = {"world_size": dist.get_world_size() if _dist() else 1, "trainer_state": trainer_state}
+        state.update(rng_state(self.rank, model))
+        manifest = {"world_size": self.mesh.world_size, "trainer_state": trainer_state}
         tmp = tmp_dir(self.root, step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -194,11 +206,11 @@ class CheckpointManager:
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         phase("staged")
         with quiet_sharded_tensor():
-            dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not _dist())
+            dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not self.distributed)
         if self.rank == 0:
             final = publish(tmp, self.root, step, manifest, self.keep_last)
             stats.bytes = int(read_manifest(final)["bytes"])
-        if _dist():
+        if self.distributed:
             dist.barrier(group=self._group)
         stats.total_s = time.perf_counter() - t0
         self.last_save = stats
@@ -229,21 +241,21 @@ class CheckpointManager:
     # ---------------------------------------------------------------- resume
 
     def _agree_step(self, step: int) -> int:
-        if not _dist():
+        if not self.distributed:
             return step
         t = torch.tensor([step], dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=0)
         return int(t.item())
 
     def _all_ok(self, ok: bool) -> bool:
-        if not _dist():
+        if not self.distributed:
             return ok
         t = torch.tensor([int(ok)], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
     def resume(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, template: dict[str, Any]
+        self, model: nn.Module, stack: TrainingStack | None, template: dict[str, Any]
     ) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest complete checkpoint that verifies and loads everywhere; None if there is none.
 
@@ -271,7 +283,7 @@ class CheckpointManager:
             t0 = time.perf_counter()
             error: Exception | None = None
             try:
-                state = load_checkpoint_into(path, model, optimizer, template)
+                state = load_checkpoint_into(path, model, stack, template, self.mesh)
             except CheckpointMismatchError:
                 raise
             except Exception as e:

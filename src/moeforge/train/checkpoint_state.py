@@ -9,11 +9,15 @@ Keys (FQN = the parameter's name in ``model.named_parameters()``):
 - ``optim.<FQN>.exp_avg`` / ``.exp_avg_sq``: AdamW moments, fp32, the
   parameter's logical shape; ``.step``: 0-d fp32 (as torch AdamW keeps it);
   ``.master``: fp32 master weights, only for parameters that are not fp32.
-  torch AdamW (local and FSDP stacks) and the distributed optimizer (whose flat
-  shards become DCP pieces) write and read the same keys.
+  Each training stack writes and reads the same keys
+  (:meth:`~moeforge.parallel.stack.TrainingStack.optimizer_state_dict`): torch
+  AdamW's state on the local and FSDP stacks, the distributed optimizer's flat
+  shards as DCP pieces on the ddp stack.
 - ``train.<name>``: integer counters and the loader position (0-d int64),
   from the trainer's JSON-able state; the LR schedule is a function of ``train.step``.
-- ``rng.rank<r>.cpu`` (and ``.cuda``): each rank's generator state.
+- ``rng.rank<r>.cpu`` (and ``.cuda``): each rank's generator state;
+  ``rng.rank<r>.router.<FQN>``: the random-routing generator of each router
+  (``model.moe.random_routing``), seeded per rank and layer.
 
 Optimizer hyper-parameters (lr, betas, eps, weight decay) come from the config,
 not the checkpoint.
@@ -25,20 +29,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
-from moeforge.parallel.optimizer import DistributedOptimizer
+from moeforge.model.moe.router import TopKRouter
 from moeforge.train.checkpoint_store import CheckpointMismatchError
 
 MODEL, OPTIM, TRAIN, RNG = "model.", "optim.", "train.", "rng."
-
-
-def snapshot(t: Tensor) -> Tensor:
-    """A CPU copy that training cannot change (a DTensor stays a DTensor over the same mesh)."""
-    if isinstance(t, DTensor):
-        local = t.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
-    return t.detach().to("cpu", copy=True)
 
 
 def logical_shape(t: Tensor) -> tuple[int, ...]:
@@ -49,49 +44,6 @@ def logical_shape(t: Tensor) -> tuple[int, ...]:
 def model_state(model: nn.Module) -> dict[str, Tensor]:
     """``model.*`` entries that alias the live parameters and buffers."""
     return {MODEL + k: v for k, v in model.state_dict().items()}
-
-
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
-
-
-def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create torch AdamW's per-parameter state as its first step would (zeros, step 0)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, copy: bool = False) -> dict[str, Tensor]:
-    """``optim.*`` entries; views of the live state unless ``copy``."""
-    out: dict[str, Tensor] = {}
-    if isinstance(optimizer, DistributedOptimizer):
-        for fqn, entry in optimizer.sharded_state_dict(copy=copy).items():
-            for k, v in entry.items():
-                out[f"{OPTIM}{fqn}.{k}"] = v
-        return out
-    _ensure_adam_state(optimizer)
-    names = _param_names(model)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for k in ("step", "exp_avg", "exp_avg_sq"):
-                v = optimizer.state[p][k]
-                out[f"{OPTIM}{names[id(p)]}.{k}"] = snapshot(v) if copy else v
-    return out
-
-
-def finish_optimizer_load(optimizer: torch.optim.Optimizer, loaded: dict[str, Tensor]) -> None:
-    """After DCP filled the ``optim.*`` tensors in place: let the optimizer take them up."""
-    if isinstance(optimizer, DistributedOptimizer):
-        nested: dict[str, dict[str, Tensor]] = {}
-        for key, v in loaded.items():
-            fqn, kind = key[len(OPTIM) :].rsplit(".", 1)
-            nested.setdefault(fqn, {})[kind] = v
-        optimizer.load_sharded_state_dict(nested)
 
 
 def flatten_counters(state: dict[str, Any], prefix: str = TRAIN) -> dict[str, Tensor]:
@@ -119,18 +71,29 @@ def unflatten_counters(template: dict[str, Any], tensors: dict[str, Tensor], pre
     return out
 
 
-def rng_state(rank: int) -> dict[str, Tensor]:
-    """This rank's generator states."""
+def _routers(model: nn.Module | None) -> dict[str, TopKRouter]:
+    if model is None:
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, TopKRouter) and m.cfg.random_routing}
+
+
+def rng_state(rank: int, model: nn.Module | None = None) -> dict[str, Tensor]:
+    """This rank's generator states: torch's global ones and each random-routing router's."""
     out = {f"{RNG}rank{rank}.cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out[f"{RNG}rank{rank}.cuda"] = torch.cuda.get_rng_state()
+    for name, router in _routers(model).items():
+        out[f"{RNG}rank{rank}.router.{name}"] = router.generator_state()
     return out
 
 
-def set_rng_state(loaded: dict[str, Tensor]) -> None:
+def set_rng_state(loaded: dict[str, Tensor], model: nn.Module | None = None) -> None:
     """Restore the generator states loaded by :func:`rng_state`'s keys."""
+    routers = _routers(model)
     for key, v in loaded.items():
-        if key.endswith(".cpu"):
+        if ".router." in key:
+            routers[key.split(".router.", 1)[1]].set_generator_state(v)
+        elif key.endswith(".cpu"):
             torch.set_rng_state(v)
         elif key.endswith(".cuda"):
             torch.cuda.set_rng_state(v)

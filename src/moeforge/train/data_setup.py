@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from moeforge.config import Config
 from moeforge.data import DataMeta, load_meta, prepare_data
+from moeforge.parallel.mesh import MoEMesh
+from moeforge.train.distributed import barrier
 
 
-def ensure_data(cfg: Config, is_main: bool) -> DataMeta:
-    """Prepare ``cfg.data`` on rank 0 (idempotent), then load its metadata on every rank."""
-    if is_main:
+def ensure_data(cfg: Config, mesh: MoEMesh | None = None) -> DataMeta:
+    """Prepare ``cfg.data`` on rank 0 of ``mesh`` (idempotent), then load its metadata on every rank."""
+    mesh = mesh or MoEMesh()
+    if mesh.rank == 0:
         prepare_data(cfg.data)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    barrier(mesh)
     return load_meta(cfg.data.data_dir)

@@ -26,7 +26,7 @@ def pick_device() -> torch.device:
 
 def init_distributed(cfg: Config, device: torch.device) -> MoEMesh:
     """Validate the layout against the world size, then join the process group and build the mesh."""
-    world = dist.get_world_size() if dist.is_initialized() else launcher_world_size()
+    world = dist.get_world_size() if dist.is_initialized() else launcher_world_size()  # the one place that asks
     validate_layout(cfg, world)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -36,8 +36,14 @@ def init_distributed(cfg: Config, device: torch.device) -> MoEMesh:
     return build_mesh(cfg.parallel, device.type)
 
 
-def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """In-place sum over ``group`` when distributed; identity otherwise."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place sum over ``group`` (a mesh group); identity for ``None`` (a single process)."""
+    if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return t
+
+
+def barrier(mesh: MoEMesh) -> None:
+    """Wait for every rank of the mesh (nothing to wait for in a single process)."""
+    if mesh.distributed:
+        dist.barrier()

@@ -12,20 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from moeforge.bench.balance import model_balance_metrics
 from moeforge.config import Config, ConfigError, save_config
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
 from moeforge.model import MoETransformer, build_model
 from moeforge.parallel.mesh import MoEMesh
-from moeforge.parallel.stack import TrainingStack, build_stack
+from moeforge.parallel.parallelize import build_stack
+from moeforge.parallel.stack import TrainingStack
+from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
 from moeforge.train.checkpoint_store import checkpoints_dir, step_name
 from moeforge.train.data_setup import ensure_data
-from moeforge.train.distributed import all_reduce_sum, init_distributed, pick_device
+from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
 from moeforge.train.metrics import MetricsWriter
 from moeforge.train.schedule import lr_at
 
@@ -46,8 +46,9 @@ class StepResult:
     z_loss: float
     grad_norm: float
     skipped: bool
-    expert_counts: Tensor  # (moe_layers, E), summed over micro-batches and ranks
-    extra: dict[str, Any] = field(default_factory=dict)
+    load: Tensor  # (moe_layers, packed width): moeforge.train.balance's vectors, summed over micro-batches and ranks
+    load_sources: int  # forwards summed into ``load`` (micro-batches x ranks)
+    extra: dict[str, Any] = field(default_factory=dict)  # the balance metrics of ``load``
 
 
 def moe_aux_terms(model: MoETransformer) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,7 +91,7 @@ class Trainer:
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         self.run_dir = Path(cfg.train.run_dir)
-        self.meta: DataMeta = ensure_data(cfg, self.is_main)
+        self.meta: DataMeta = ensure_data(cfg, self.mesh)
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = self.meta.vocab_size
         elif cfg.model.vocab_size < self.meta.vocab_size:
@@ -119,7 +120,9 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
         self.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         # creating the manager is collective (async save makes its own group): every rank, same point
-        self.checkpointer = CheckpointManager(self.run_dir, cfg.train.keep_last, cfg.train.async_save, self.device)
+        self.checkpointer = CheckpointManager(
+            self.run_dir, cfg.train.keep_last, cfg.train.async_save, self.device, mesh=self.mesh
+        )
 
     # ------------------------------------------------------------------ steps
 
@@ -128,13 +131,13 @@ class Trainer:
             self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
         )
 
-    def train_step(self, micro_batches: list[Tensor]) -> StepResult:
-        """One optimizer step over this rank's micro-batches."""
-        model, stack, cfg = self.model, self.stack, self.cfg
+    def _train_step(self, micro_batches: list[Tensor]) -> StepResult:
+        """Forward/backward over this rank's micro-batches, then the optimizer step (or a skip)."""
+        model, stack, cfg, mesh = self.model, self.stack, self.cfg, self.mesh
         model.train()
         n_micro = len(micro_batches)
         sums = torch.zeros(4, device=self.device)  # loss, lm, aux, z
-        counts = None
+        load = LoadAccumulator(model.moe_layers(), mesh.ep, self.device)
         for i, batch in enumerate(micro_batches):
             batch = batch.to(self.device, non_blocking=True)
             inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -146,30 +149,39 @@ class Trainer:
             loss = lm + weighted_aux.to(lm.device)
             (loss / n_micro).backward()
             sums += torch.stack([loss.detach(), lm.detach(), aux.to(lm.device), z.to(lm.device)]) / n_micro
-            step_counts = (
-                torch.stack(
-                    [m.last_routing.tokens_per_expert for m in model.moe_layers()]  # type: ignore[union-attr]
-                )
-                if model.moe_layers()
-                else torch.zeros(0, 1, device=self.device)
-            )
-            counts = step_counts if counts is None else counts + step_counts
+            load.add()
         stack.finish_grad_sync()
         grad_norm = stack.clip_grad_norm_(cfg.optim.grad_clip)
-        finite = bool(torch.isfinite(grad_norm))
+        # The step's one collective: losses and every layer's load, summed over all ranks.
+        packed = all_reduce_sum(torch.cat([sums, load.sum.reshape(-1)]), mesh.dp_group)
+        values = packed.cpu()
+        loss, lm, aux, z = (values[:4] / mesh.dp).tolist()
+        loads = values[4:].view(load.sum.shape)
+        finite = math.isfinite(float(grad_norm)) and math.isfinite(loss)
         if finite:
             stack.step()
         stack.zero_grad()
-        assert counts is not None
-        all_reduce_sum(counts, self.mesh.dp_group)
-        all_reduce_sum(sums, self.mesh.dp_group)
-        sums /= self.mesh.dp
         if finite:
+            counts = load.expert_counts(loads).to(self.device)
             for layer, c in zip(model.moe_layers(), counts):
                 layer.router.update_bias(c)
-        loss, lm, aux, z = sums.tolist()
-        balance = model_balance_metrics(model, ep=self.mesh.ep, group=self.mesh.ep_group)
-        return StepResult(loss, lm, aux, z, float(grad_norm), not finite, counts, balance)
+        n_sources = n_micro * mesh.world_size
+        balance = per_layer_metrics(loads, load.num_experts, mesh.ep, n_sources) if load.layers else {}
+        return StepResult(loss, lm, aux, z, float(grad_norm), not finite, loads, n_sources, balance)
+
+    def run_step(self, micro_batches: list[Tensor]) -> StepResult:
+        """One optimizer step at the current step's learning rate; advances the step and token counters.
+
+        ``fit`` and the bench both drive training through this method.
+        """
+        cfg = self.cfg
+        self.stack.set_lr(lr_at(self.step, cfg.train.max_steps, cfg.optim))
+        result = self._train_step(micro_batches)
+        self.step += 1
+        self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
+        self.consecutive_skips = self.consecutive_skips + 1 if result.skipped else 0
+        self.skipped_steps += int(result.skipped)
+        return result
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -221,14 +233,14 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the current step (all ranks); the final step's save is waited for even when async."""
         self._debug_kill_if_due()
-        self.checkpointer.save(self.step, self.model, self.stack.optimizer, self.trainer_state())
+        self.checkpointer.save(self.step, self.model, self.stack, self.trainer_state())
         if self.step >= self.cfg.train.max_steps:
             self.checkpointer.wait()
         return checkpoints_dir(self.run_dir) / step_name(self.step)
 
     def maybe_resume(self) -> bool:
         """Load the newest complete checkpoint of the run dir, if any (all ranks load the same one)."""
-        found = self.checkpointer.resume(self.model, self.stack.optimizer, self.trainer_state())
+        found = self.checkpointer.resume(self.model, self.stack, self.trainer_state())
         if found is None:
             return False
         path, state = found
@@ -248,8 +260,7 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
-        if dist.is_initialized():
-            dist.barrier()
+        barrier(self.mesh)
         self.maybe_resume()
         tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         bar = None
@@ -260,16 +271,9 @@ class Trainer:
         last: dict[str, Any] = {}
         while self.step < cfg.train.max_steps:
             lr = lr_at(self.step, cfg.train.max_steps, cfg.optim)
-            self.stack.set_lr(lr)
             t0 = time.perf_counter()
-            result = self.train_step(self.loader.next_step())
+            result = self.run_step(self.loader.next_step())
             dt = time.perf_counter() - t0
-            self.step += 1
-            self.tokens_seen += tokens_per_step
-            self.consecutive_skips = self.consecutive_skips + 1 if result.skipped else 0
-            self.skipped_steps += int(result.skipped)
-            load = result.expert_counts
-            max_over_mean = (load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)).tolist()
             record: dict[str, Any] = {
                 "step": self.step,
                 "loss": result.loss,
@@ -282,7 +286,6 @@ class Trainer:
                 "tokens_per_s": tokens_per_step / dt,
                 "tokens_per_s_per_device": tokens_per_step / dt / self.mesh.world_size,
                 "step_time_s": dt,
-                "expert_load_max_over_mean": max_over_mean,
                 **result.extra,
             }
             is_last = self.step == cfg.train.max_steps

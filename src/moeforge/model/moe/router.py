@@ -42,8 +42,28 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
-        self.random_seed = seed * 1000 + layer_idx
+        self.base_seed = seed * 1000 + layer_idx
+        self.random_seed = self.base_seed
         self._generator: torch.Generator | None = None
+
+    def set_random_stream(self, stream: int) -> None:
+        """Draw random routes from stream ``stream`` of this layer (parallelize code passes the rank)."""
+        self.random_seed = self.base_seed * 1_000_003 + stream
+        self._generator = None
+
+    def _random_generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.random_seed)
+        return self._generator
+
+    def generator_state(self) -> Tensor:
+        """The random-routing generator's state (a CPU byte tensor), for checkpoints."""
+        return self._random_generator(self.expert_bias.device).get_state()
+
+    def set_generator_state(self, state: Tensor) -> None:
+        """Restore what :meth:`generator_state` returned."""
+        self._random_generator(self.expert_bias.device).set_state(state)
 
     def _select(self, scores: Tensor) -> Tensor:
         """Indices of the chosen experts ``(N, k)`` from fp32 scores (bias used here only)."""
@@ -58,10 +78,7 @@ class TopKRouter(nn.Module):
         return torch.topk(biased, self.top_k, dim=-1, sorted=True).indices
 
     def _random_indices(self, n: int, device: torch.device) -> Tensor:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.random_seed)
-        noise = torch.rand(n, self.num_experts, generator=self._generator, device=device)
+        noise = torch.rand(n, self.num_experts, generator=self._random_generator(device), device=device)
         return torch.topk(noise, self.top_k, dim=-1).indices
 
     def forward(self, x: Tensor) -> RouterOutput:

@@ -1,0 +1,61 @@
+"""The DDP-based stack: dense weights replicated, experts resident on their ep ranks, the distributed optimizer."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from moeforge.config import Config
+from moeforge.parallel.grad_buckets import GradReducer
+from moeforge.parallel.mesh import MoEMesh
+from moeforge.parallel.optimizer import DistributedOptimizer
+from moeforge.parallel.stack import TrainingStack, optim_param_groups
+
+
+class DDPStack(TrainingStack):
+    """Dense weights replicated, experts resident (sharded over ep), gradients bucketed and
+    reduce-scattered into the :class:`DistributedOptimizer`'s shards.
+
+    Dense gradients are reduced over ``mesh.dp_group``, expert gradients over
+    ``mesh.edp_group`` only. Apply :func:`~moeforge.parallel.expert.parallelize_experts`
+    before building it (``build_stack`` does).
+    """
+
+    def __init__(self, model: nn.Module, cfg: Config, mesh: MoEMesh) -> None:
+        self.model = model
+        self.reducer = GradReducer(model, mesh, cfg.parallel.bucket_size_mb, overlap=cfg.parallel.overlap_grad_reduce)
+        o = cfg.optim
+        self.optimizer = DistributedOptimizer(
+            optim_param_groups(model, o.weight_decay),
+            self.reducer,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            norm_group=mesh.dp_group,
+        )
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        self.reducer.set_sync(enabled)
+
+    def finish_grad_sync(self) -> None:
+        self.reducer.finish()
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        return self.optimizer.clip_grad_norm_(max_norm)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def optimizer_state_dict(self, copy: bool = False) -> dict[str, Tensor]:
+        """Each rank's shards as DCP pieces of the full logical tensors (see ``sharded_state_dict``)."""
+        return {
+            f"{fqn}.{k}": v
+            for fqn, entry in self.optimizer.sharded_state_dict(copy=copy).items()
+            for k, v in entry.items()
+        }
+
+    def load_optimizer_state_dict(self, loaded: dict[str, Tensor]) -> None:
+        nested: dict[str, dict[str, Tensor]] = {}
+        for key, v in loaded.items():
+            fqn, kind = key.rsplit(".", 1)
+            nested.setdefault(fqn, {})[kind] = v
+        self.optimizer.load_sharded_state_dict(nested)
