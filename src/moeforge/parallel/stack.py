@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config
-from moeforge.model.params import DECAY, named_parameter_roles
+from moeforge.model.params import NO_DECAY, named_parameter_roles
 from moeforge.parallel.flat_shards import snapshot
 
 
@@ -27,7 +27,7 @@ def optim_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for _, p, role in named_parameter_roles(model):
         if p.requires_grad:
-            (decay if role == DECAY else no_decay).append(p)
+            (no_decay if role == NO_DECAY else decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -10,6 +10,8 @@ Layout of a run::
         COMPLETE                     written last, before the rename
     RUN/checkpoints/latest           name of the newest published checkpoint (informational)
     RUN/checkpoints/.tmp_step_*      a save in progress (or killed): never read, removed on start
+    RUN/checkpoints/.old_step_*      a published checkpoint being replaced by a re-save of its step:
+                                     restored on start if the new one never got its name
 
 A checkpoint is *complete* when ``COMPLETE`` is present; it is *loadable* when
 its manifest lists every file with the recorded size and CRC32 and DCP's
@@ -77,8 +79,25 @@ def tmp_dir(root: Path, step: int) -> Path:
 
 
 def clean_stale(root: Path) -> None:
-    """Remove leftovers of killed saves (temporary and half-replaced directories)."""
-    for p in list(root.glob(".tmp_*")) + list(root.glob(".old_*")):
+    """Undo what a killed save left: restore a checkpoint moved aside for a re-save, drop unfinished ones.
+
+    Re-saving a published step moves the old checkpoint to ``.old_<name>``
+    before the new one is renamed into place; a kill between the two renames
+    leaves only ``.old_<name>``, which is renamed back here, so the step is
+    never lost. An ``.old_`` directory whose step was republished is removed.
+    """
+    for old in sorted(root.glob(".old_*")):
+        final = root / old.name.removeprefix(".old_")
+        if (final / COMPLETE).is_file() or not (old / COMPLETE).is_file():
+            log.info("removing replaced checkpoint directory %s", old)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if final.exists():  # an incomplete directory under the final name: never published
+                shutil.rmtree(final, ignore_errors=True)
+            os.replace(old, final)
+            fsync_dir(root)
+            log.warning("restored checkpoint %s (a re-save of it was interrupted)", final)
+    for p in root.glob(".tmp_*"):
         log.info("removing unfinished checkpoint directory %s", p)
         shutil.rmtree(p, ignore_errors=True)
 
@@ -140,8 +159,10 @@ def publish(tmp: Path, root: Path, step: int, manifest: dict[str, Any], keep_las
     fsync_dir(tmp)
     final = root / step_name(step)
     old = root / f".old_{step_name(step)}"
-    if final.exists():
+    if final.exists():  # a re-save: until the next rename only `old` holds the step (clean_stale restores it)
         os.replace(final, old)
+        fsync_dir(root)
+        phase("moved_aside")
     os.replace(tmp, final)
     fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
