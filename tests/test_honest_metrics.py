@@ -77,10 +77,8 @@ def test_step_metrics_count_every_micro_batch(tmp_path: Path) -> None:
 def _bench_and_fit(root: str, cfg_path: str) -> None:
     from moeforge.config import load_config
 
-    args = build_parser().parse_args(
-        ["--config", cfg_path, "--out", f"{root}/bench", "--name", "v", "--warmup", "0", "--steps", "1"]
-        + ["--no-profile", "--no-checkpoint", "--probe-s", "0.02"]
-    )
+    flags = ["--warmup", "0", "--steps", "1", "--no-profile", "--no-checkpoint", "--probe-s", "0.02"]
+    args = build_parser().parse_args(["--config", cfg_path, "--out", f"{root}/bench", "--name", "v", *flags])
     bench = run_variant(args)
     cfg = load_config(cfg_path)
     cfg.train.run_dir = f"{root}/fit"
@@ -122,9 +120,9 @@ def test_bench_async_blocking_is_only_the_snapshot(tmp_path: Path) -> None:
     for mode in ("false", "true"):
         cfg = tiny_config(tmp_path, *big, f"--train.async_save={mode}", "--train.max_steps=2")
         save_config(cfg, tmp_path / f"{mode}.yaml")
+        flags = ["--warmup", "0", "--steps", "1", "--probe-s", "0.02"]  # profiling on, the default
         args = build_parser().parse_args(
-            ["--config", str(tmp_path / f"{mode}.yaml"), "--out", str(tmp_path / mode), "--name", mode]
-            + ["--warmup", "0", "--steps", "1", "--probe-s", "0.02"]  # profiling on, the default
+            ["--config", str(tmp_path / f"{mode}.yaml"), "--out", str(tmp_path / mode), "--name", mode, *flags]
         )
         results[mode] = run_variant(args)
     sync, async_ = results["false"], results["true"]
