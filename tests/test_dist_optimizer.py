@@ -13,7 +13,7 @@ import torch.distributed as dist
 from moeforge.model.moe.experts import local_tensor
 from moeforge.parallel.mesh import build_mesh
 from moeforge.parallel.parallelize import build_stack
-from moeforge.parallel.stack import LocalStack, TrainingStack, build_adamw, optim_param_groups
+from moeforge.parallel.stack import DTYPES, LocalStack, TrainingStack, build_adamw, optim_param_groups
 from moeforge.testing import run_distributed_test
 from tests.test_stacks import (
     assert_state_bytes_shrink,
@@ -105,11 +105,13 @@ def check_state_dict_and_lr() -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def check_bf16_masters() -> None:
+def check_bf16_masters(grad_reduce_dtype: str) -> None:
     """bf16 parameters: fp32 masters for this rank's shard only, following torch AdamW in fp32; params = masters."""
     rank = dist.get_rank()
     cfg = tiny_config()
     cfg.optim.grad_clip = 0.0
+    cfg.train.param_dtype = cfg.train.precision = "bf16"
+    cfg.parallel.grad_reduce_dtype = grad_reduce_dtype
     batch = fixed_batches(1)[0]
     stack = build_stack(make_model(cfg).to(torch.bfloat16), cfg, build_mesh(cfg.parallel))
     # Reference: the averaged gradient of a bf16 copy, applied by torch AdamW to fp32 copies of the weights.
@@ -123,6 +125,8 @@ def check_bf16_masters() -> None:
     build_adamw(optim_param_groups(ref, cfg.optim.weight_decay), cfg).step()
     train_steps(stack, [batch], 1, rank, 2, 0.0)
     opt = stack.optimizer
+    assert all(b.buffer.dtype == DTYPES[grad_reduce_dtype] for b in stack.reducer.buckets)
+    assert all(p.dtype == torch.bfloat16 for p in stack.model.parameters())
     n_masters = sum(s["master"].numel() for s in opt.shard_state)
     assert n_masters < 0.55 * sum(p.numel() for p in stack.model.parameters())
     ref_params = dict(ref.named_parameters())
@@ -141,7 +145,8 @@ def _optimizer_checks() -> None:
     check_state_bytes()
     check_non_finite()
     check_state_dict_and_lr()
-    check_bf16_masters()
+    check_bf16_masters("fp32")
+    check_bf16_masters("bf16")
 
 
 def test_distributed_optimizer_contract() -> None:

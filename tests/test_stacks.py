@@ -179,9 +179,10 @@ def assert_state_bytes_shrink(stack: TrainingStack, replicated_bytes: int, world
 
 
 def check_fsdp_bf16() -> None:
-    """bf16 compute with fp32 sharded parameters (FSDP2 mixed precision) trains close to the fp32 reference."""
+    """bf16 parameters as fp32 shards (FSDP2 mixed precision: gathered in bf16) train close to the fp32 reference."""
     cfg = tiny_config("fsdp")
     cfg.train.precision = "bf16"
+    cfg.train.param_dtype = "bf16"
     stack = build_stack(make_model(cfg), cfg, build_mesh(cfg.parallel))
     for p in stack.model.parameters():
         assert isinstance(p, DTensor) and p.dtype == torch.float32 and p.placements[0].is_shard(0)

@@ -109,7 +109,9 @@ class TrainConfig:
     global_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
     seed: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"  # compute: bf16 runs the model under bf16 autocast
+    param_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 parameters, fp32 masters sharded in the optimizer
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"  # see docs/memory.md
     run_dir: str = "runs/default"
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
@@ -134,6 +136,8 @@ class ParallelConfig:
     cp: int = 1
     stack: Literal["ddp", "fsdp"] = "ddp"
     overlap_grad_reduce: bool = True
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # precision of the gradient buffers and their reduction
+    fsdp_reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (the last block keeps them)
     bucket_size_mb: float = 25.0
     timeout_s: float = 600.0
 

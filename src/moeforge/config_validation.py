@@ -79,6 +79,18 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _check(getattr(moe, name) >= 0, f"model.moe.{name}", "must be >= 0")
     _check(moe.capacity_factor > 0, "model.moe.capacity_factor", "must be > 0")
     _check(moe.shared_expert_hidden >= 0, "model.moe.shared_expert_hidden", "must be >= 0")
+    if cfg.train.param_dtype == "bf16":
+        _check(
+            cfg.train.precision == "bf16",
+            "train.param_dtype",
+            "bf16 parameters compute in bf16: set train.precision=bf16 too",
+        )
+    if cfg.train.activation_checkpointing != "none":
+        _check(
+            not moe.random_routing,
+            "train.activation_checkpointing",
+            "the recompute would draw new random routes (model.moe.random_routing); use none",
+        )
     if moe.expert_impl == "grouped" and cfg.train.precision == "bf16":
         for name, value in (("model.d_model", m.d_model), ("model.moe.expert_hidden", moe.expert_hidden)):
             _check(

@@ -8,7 +8,7 @@ from moeforge.config import Config
 from moeforge.parallel.grad_buckets import GradReducer
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.optimizer import DistributedOptimizer
-from moeforge.parallel.stack import TrainingStack, optim_param_groups
+from moeforge.parallel.stack import DTYPES, TrainingStack, optim_param_groups
 
 
 class DDPStack(TrainingStack):
@@ -16,13 +16,19 @@ class DDPStack(TrainingStack):
     reduce-scattered into the :class:`DistributedOptimizer`'s shards.
 
     Dense gradients are reduced over ``mesh.dp_group``, expert gradients over
-    ``mesh.edp_group`` only. Apply :func:`~moeforge.parallel.expert.parallelize_experts`
+    ``mesh.edp_group`` only, in ``parallel.grad_reduce_dtype``. With
+    ``train.param_dtype=bf16`` the parameters are bf16 and the optimizer keeps
+    the fp32 masters and moments of its shard only. On a single process this
+    stack (with groups of one) is what gives bf16 parameters their fp32 masters.
+    Apply :func:`~moeforge.parallel.expert.parallelize_experts`
     before building it (``build_stack`` does).
     """
 
     def __init__(self, model: nn.Module, cfg: Config, mesh: MoEMesh) -> None:
         self.model = model
-        self.reducer = GradReducer(model, mesh, cfg.parallel.bucket_size_mb, overlap=cfg.parallel.overlap_grad_reduce)
+        p = cfg.parallel
+        grad_dtype = DTYPES[p.grad_reduce_dtype]
+        self.reducer = GradReducer(model, mesh, p.bucket_size_mb, overlap=p.overlap_grad_reduce, grad_dtype=grad_dtype)
         o = cfg.optim
         self.optimizer = DistributedOptimizer(
             optim_param_groups(model, o.weight_decay),
@@ -31,6 +37,7 @@ class DDPStack(TrainingStack):
             betas=(o.beta1, o.beta2),
             eps=o.eps,
             norm_group=mesh.dp_group,
+            rank=mesh.rank,
         )
 
     def set_grad_sync(self, enabled: bool) -> None:

@@ -20,29 +20,47 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from moeforge.config import Config
 from moeforge.parallel.mesh import MoEMesh
-from moeforge.parallel.stack import TrainingStack, build_adamw, optim_param_groups
+from moeforge.parallel.stack import DTYPES, TrainingStack, build_adamw, optim_param_groups
 
 logger = logging.getLogger(__name__)
 
 
-def apply_fsdp(model: nn.Module, mesh: MoEMesh, precision: str = "fp32") -> FSDPModule:
-    """``fully_shard`` each block, then the root, over all ranks; bf16 params with fp32 reduction for bf16."""
+def apply_fsdp(
+    model: nn.Module,
+    mesh: MoEMesh,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> FSDPModule:
+    """``fully_shard`` each block, then the root, over all ranks.
+
+    The shards stay fp32 (they are the master weights, sharded 1/N); FSDP2
+    gathers them in ``param_dtype`` and reduce-scatters gradients in
+    ``reduce_dtype``, which is what the ddp stack holds for the same
+    ``train.param_dtype`` and ``parallel.grad_reduce_dtype``. With
+    ``reshard_after_forward`` each block frees its gathered weights after
+    forward and gathers them again for backward; the last block always keeps
+    them, since its backward comes right away.
+    """
     if mesh.ep != 1 or mesh.mesh is None:
         raise ValueError(
             f"parallel.stack: 'fsdp' shards every expert over all ranks and needs parallel.ep=1, got {mesh.ep}"
         )
     dp_mesh = mesh.mesh["edp"]  # with ep == 1 this 1-D sub-mesh spans every rank
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = list(model.layers)  # type: ignore[union-attr]
     for i, block in enumerate(blocks):
-        # The last block's weights would be gathered again right away for backward: keep them.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        reshard = reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-    logger.info("fsdp: %d blocks + root sharded over %d ranks, precision=%s", len(blocks), mesh.dp, precision)
+    logger.info(
+        "fsdp: %d blocks + root sharded over %d ranks, gathered in %s, reduced in %s, reshard_after_forward=%s",
+        len(blocks),
+        mesh.dp,
+        param_dtype,
+        reduce_dtype,
+        reshard_after_forward,
+    )
     return model  # type: ignore[return-value]
 
 
@@ -50,7 +68,10 @@ class FSDPStack(TrainingStack):
     """FSDP2 layout plus torch AdamW on the sharded parameters."""
 
     def __init__(self, model: nn.Module, cfg: Config, mesh: MoEMesh) -> None:
-        self.model = apply_fsdp(model, mesh, cfg.train.precision)
+        p = cfg.parallel
+        self.model = apply_fsdp(
+            model, mesh, DTYPES[cfg.train.param_dtype], DTYPES[p.grad_reduce_dtype], p.fsdp_reshard_after_forward
+        )
         self.optimizer = build_adamw(optim_param_groups(self.model, cfg.optim.weight_decay), cfg)
 
     def set_grad_sync(self, enabled: bool) -> None:

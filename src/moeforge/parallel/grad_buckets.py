@@ -65,7 +65,14 @@ class BucketEntry:
 
 
 class GradBucket:
-    """A flat, padded gradient buffer for parameters of one group and dtype."""
+    """A flat, padded gradient buffer for parameters of one group and dtype.
+
+    ``dtype`` is the parameters' dtype, ``grad_dtype`` the buffer's (the reduction's).
+    When they are equal each ``.grad`` is a view of the buffer; otherwise (bf16
+    parameters with fp32 reduction) autograd writes ``.grad`` in the parameter's
+    dtype and the post-accumulate hook adds it into the buffer, Megatron's
+    "main grad", so accumulation over micro-batches happens in ``grad_dtype``.
+    """
 
     def __init__(
         self,
@@ -74,8 +81,11 @@ class GradBucket:
         group: dist.ProcessGroup | None,
         dtype: torch.dtype,
         device: torch.device,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.index, self.group, self.dtype = index, group, dtype
+        self.grad_dtype = grad_dtype or dtype
+        self.main_grad = self.grad_dtype != dtype
         self.group_size = dist.get_world_size(group) if group is not None else 1
         self.group_rank = dist.get_rank(group) if group is not None else 0
         self.entries: list[BucketEntry] = []
@@ -89,7 +99,7 @@ class GradBucket:
         self.padded_numel = max(align, math.ceil(offset / align) * align)
         self.shard_size = self.padded_numel // self.group_size
         self.shard_start = self.group_rank * self.shard_size
-        self.buffer = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        self.buffer = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=device)
         self.ready: set[int] = set()
         self.work: dist.Work | None = None
         self.launched = False
@@ -114,9 +124,17 @@ class GradBucket:
         return out
 
     def attach(self, e: BucketEntry) -> None:
-        """Make ``e.param.grad`` the bucket view, copying in (or zeroing for None) whatever it held."""
+        """Make ``e.param.grad`` the bucket view, copying in (or zeroing for None) whatever it held.
+
+        In main-grad mode the gradient is added into the view and ``.grad`` cleared instead.
+        """
         view = self.grad_view(e)
         grad = e.param.grad
+        if self.main_grad:
+            if grad is not None:
+                view.add_(local_tensor(grad))
+                e.param.grad = None
+            return
         if grad is not None and local_tensor(grad).data_ptr() == view.data_ptr():
             return
         if grad is None:
@@ -163,7 +181,10 @@ def _bucket_group(role: str, mesh: MoEMesh) -> dist.ProcessGroup | None:
 
 
 def build_buckets(
-    named_params: Iterable[tuple[str, nn.Parameter, str]], mesh: MoEMesh, bucket_size_mb: float
+    named_params: Iterable[tuple[str, nn.Parameter, str]],
+    mesh: MoEMesh,
+    bucket_size_mb: float,
+    grad_dtype: torch.dtype | None = None,
 ) -> list[GradBucket]:
     """Pack ``(fqn, parameter, role)`` (reverse order) into buckets of one group and dtype, ordered by completion.
 
@@ -191,17 +212,26 @@ def build_buckets(
     positions = {id(p): i for i, (_, p) in enumerate(ordered)}
     closed.sort(key=lambda c: max(positions[id(p)] for _, p in c[0]))
     device = local_tensor(ordered[0][1]).device if ordered else torch.device("cpu")
-    return [GradBucket(i, members, group, dtype, device) for i, (members, group, dtype) in enumerate(closed)]
+    return [
+        GradBucket(i, members, group, dtype, device, grad_dtype) for i, (members, group, dtype) in enumerate(closed)
+    ]
 
 
 class GradReducer:
     """Owns the buckets, the backward hooks and the launch order (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, mesh: MoEMesh, bucket_size_mb: float, overlap: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: MoEMesh,
+        bucket_size_mb: float,
+        overlap: bool,
+        grad_dtype: torch.dtype | None = None,
+    ) -> None:
         named = [(name, p, role) for name, p, role in named_parameter_roles(model) if p.requires_grad]
         self.overlap = overlap
         self.scale = 1.0 / mesh.dp
-        self.buckets = build_buckets(named, mesh, bucket_size_mb)
+        self.buckets = build_buckets(named, mesh, bucket_size_mb, grad_dtype)
         self._sync = True
         self._next = 0
         self._finished = False

@@ -53,10 +53,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         norm_group: dist.ProcessGroup | None = None,
+        rank: int = 0,
     ) -> None:
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.reducer = reducer
         self.norm_group = norm_group
+        self.rank = rank  # this process's global rank (0 for a single process)
         self.step_count = 0
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         missing = [e.name for b in reducer.buckets for e in b.entries if id(e.param) not in group_of]
@@ -216,7 +218,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 a, z = max(lo, e.offset), min(lo + b.shard_size, e.offset + e.numel)
                 entry: dict[str, Tensor] = {"step": step.clone()}
                 if a < z:
-                    shape, owners, shift = _global_owners(b, e)
+                    shape, owners, shift = _global_owners(b, e, self.rank)
                     rng = (shift + a - e.offset, shift + z - e.offset)
                     for k, buf in bufs.items():
                         entry[k] = sharded_flat_tensor(buf[a - lo : z - lo], shape, rng, owners)
@@ -265,7 +267,7 @@ def _flat(p: torch.nn.Parameter) -> Tensor:
     return local_tensor(p.detach()).view(-1)
 
 
-def _global_owners(b: GradBucket, e: BucketEntry) -> tuple[list[int], list[tuple[int, int, int]], int]:
+def _global_owners(b: GradBucket, e: BucketEntry, me: int) -> tuple[list[int], list[tuple[int, int, int]], int]:
     """``(global shape, [(global rank, flat start, flat end)], this rank's flat shift)`` of ``e``'s state.
 
     The group's rank ``j`` owns bucket elements ``[j*S, (j+1)*S)``. A DTensor
@@ -274,7 +276,6 @@ def _global_owners(b: GradBucket, e: BucketEntry) -> tuple[list[int], list[tuple
     tensor and their edp peers sit at the same distance in global ranks.
     """
     p = e.param
-    me = dist.get_rank()
     local_numel = e.numel
     if hasattr(p, "device_mesh"):
         ep_ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]  # type: ignore[union-attr]

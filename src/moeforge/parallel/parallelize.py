@@ -5,23 +5,31 @@ from __future__ import annotations
 from torch import nn
 
 from moeforge.config import Config
+from moeforge.parallel.activation_checkpoint import apply_activation_checkpointing
 from moeforge.parallel.ddp import DDPStack
 from moeforge.parallel.expert import parallelize_experts
 from moeforge.parallel.fsdp import FSDPStack
 from moeforge.parallel.mesh import MoEMesh
-from moeforge.parallel.stack import LocalStack, TrainingStack
+from moeforge.parallel.stack import DTYPES, LocalStack, TrainingStack, cast_parameters
 
 
 def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
     """Lay the model out over ``mesh`` and build the matching optimizer.
 
-    Every stack installs the configured dispatcher and seeds random routing per
-    rank first; only the ddp stack shards experts over ``ep`` (FSDP shards every
-    expert over all ranks instead). One process gets the :class:`LocalStack`.
+    In order: parameters cast to ``train.param_dtype`` (not for FSDP, which keeps
+    fp32 shards and casts what it gathers), experts sharded over ``ep`` with the
+    configured dispatcher and a random-routing stream per rank, activation
+    checkpointing, then the stack. One process gets the :class:`LocalStack`,
+    or, with bf16 parameters, the ddp stack with groups of one (for its fp32
+    masters).
     """
+    fsdp = mesh.distributed and cfg.parallel.stack == "fsdp"
+    if not fsdp:  # FSDP keeps fp32 shards and casts what it gathers (its MixedPrecisionPolicy)
+        cast_parameters(model, DTYPES[cfg.train.param_dtype])
     parallelize_experts(model, mesh, cfg.model.moe.dispatcher)  # type: ignore[arg-type]
-    if not mesh.distributed:
-        return LocalStack(model, cfg)
-    if cfg.parallel.stack == "fsdp":
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    if fsdp:
         return FSDPStack(model, cfg, mesh)
+    if not mesh.distributed and cfg.train.param_dtype == "fp32":
+        return LocalStack(model, cfg)
     return DDPStack(model, cfg, mesh)

@@ -21,6 +21,17 @@ from moeforge.config import Config
 from moeforge.model.params import NO_DECAY, named_parameter_roles
 from moeforge.parallel.flat_shards import snapshot
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@torch.no_grad()
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Store every floating-point parameter in ``dtype`` (buffers, e.g. router biases, stay as they are)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
 
 def optim_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups by parameter role: decay on matrices; none on norms, biases and embeddings."""
