@@ -38,6 +38,7 @@ class DDPStack(TrainingStack):
             eps=o.eps,
             norm_group=mesh.dp_group,
             rank=mesh.rank,
+            distributed=mesh.distributed,
         )
 
     def set_grad_sync(self, enabled: bool) -> None:

@@ -54,11 +54,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         eps: float = 1e-8,
         norm_group: dist.ProcessGroup | None = None,
         rank: int = 0,
+        distributed: bool = True,
     ) -> None:
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.reducer = reducer
         self.norm_group = norm_group
         self.rank = rank  # this process's global rank (0 for a single process)
+        self.distributed = distributed  # False: one process, no process group (plain tensors in state dicts)
         self.step_count = 0
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         missing = [e.name for b in reducer.buckets for e in b.entries if id(e.param) not in group_of]
@@ -217,7 +219,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for e in b.entries:
                 a, z = max(lo, e.offset), min(lo + b.shard_size, e.offset + e.numel)
                 entry: dict[str, Tensor] = {"step": step.clone()}
-                if a < z:
+                if a < z and not self.distributed:  # one process owns everything: plain views, full shape
+                    for k, buf in bufs.items():
+                        entry[k] = buf[a - lo : z - lo].view(e.param.shape)
+                elif a < z:
                     shape, owners, shift = _global_owners(b, e, self.rank)
                     rng = (shift + a - e.offset, shift + z - e.offset)
                     for k, buf in bufs.items():
