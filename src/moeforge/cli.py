@@ -157,7 +157,7 @@ def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("plan", help="parameters, FLOPs, memory and communication per layout")
     add_plan_arguments(p)
-    p.set_defaults(func=lambda a, extra: run_plan(a) if not extra else _fail(f"plan: unexpected {extra}"))
+    p.set_defaults(func=run_plan)
     p = sub.add_parser("bench", help="benchmark stacks, dispatchers and expert counts side by side")
     add_bench_arguments(p)
     p.set_defaults(func=run_bench)

@@ -113,10 +113,20 @@ def grad_accum_steps(cfg: Config, dp: int) -> int:
 
 
 def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: int, mem_bytes: float) -> LayoutPlan:
-    """Memory and communication of one layout (``stack`` 'fsdp' or 'ddp', dp = world)."""
-    bf16 = cfg.train.precision == "bf16"
-    b_w = b_g = 2 if bf16 else 4
-    b_o = (4 if bf16 else 0) + 8
+    """Memory and communication of one layout (``stack`` 'fsdp' or 'ddp', dp = world).
+
+    Byte widths follow what the trainer keeps: ddp stores weights in
+    ``train.param_dtype`` and gradient buffers in ``parallel.grad_reduce_dtype``,
+    its optimizer the two fp32 moments plus an fp32 master for bf16 weights;
+    fsdp stores fp32 shards (its own masters) and fp32 sharded gradients, and
+    gathers blocks in ``train.param_dtype``.
+    """
+    bf16_params = cfg.train.param_dtype == "bf16"
+    b_w = 2 if bf16_params else 4
+    b_g = 2 if cfg.parallel.grad_reduce_dtype == "bf16" else 4
+    b_o = (4 if bf16_params else 0) + 8
+    if stack == "fsdp":
+        b_o = 8
     total, expert, dense = stats["total"], stats["expert"], stats["dense"]
     dp, edp = world, world // ep
     ga = grad_accum_steps(cfg, dp)
@@ -124,8 +134,8 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0}
     if stack == "fsdp":
         block = stats["largest_block"]
-        weights = total * b_w / world + (2 * block * b_w if world > 1 else 0)
-        grads = total * b_g / world + (block * b_g if world > 1 else 0)
+        weights = total * 4 / world + (2 * block * b_w if world > 1 else 0)
+        grads = total * 4 / world + (block * b_w if world > 1 else 0)
         optim = total * b_o / world
         comm["all_gather"] = ga * 2 * _gather(total * b_w, world)
         comm["reduce_scatter"] = ga * _gather(total * b_g, world)
@@ -135,7 +145,7 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
         optim = dense * b_o / dp + (expert / ep) * b_o / edp
         comm["reduce_scatter"] = _gather(dense * b_g, dp) + _gather(expert / ep * b_g, edp)
         comm["all_gather"] = _gather(dense * b_w, dp) + _gather(expert / ep * b_w, edp)
-        a = 2 if bf16 else 4
+        a = 2 if cfg.train.precision == "bf16" else 4
         tokens = cfg.train.micro_batch_size * cfg.data.seq_len
         moe = cfg.model.moe
         rows = tokens * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
@@ -272,19 +282,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="h200", choices=sorted(DEVICES), help="device for memory size and peak")
     parser.add_argument("--mem-gb", type=float, default=None, help="device memory in GB (overrides --device)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. --set train.micro_batch_size=2 (repeatable)",
-    )
+    parser.epilog = "Override any config field as for train: --section.field=value, e.g. --train.micro_batch_size=2"
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    """Run ``moeforge plan``: write the table (or JSON) to stdout; 0 on success, 2 on a config error."""
-    overrides = [f"--{item}" for item in getattr(args, "set", []) or []]
-    overrides += list(getattr(args, "overrides", []) or [])
+def run_plan(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
+    """Run ``moeforge plan``: write the table (or JSON) to stdout; 0 on success, 2 on a config error.
+
+    ``overrides`` are dotted ``--section.field=value`` arguments, as for ``train``.
+    """
+    overrides = list(overrides or [])
     try:
         cfg = load_config(args.config, overrides)
         plan = make_plan(cfg, args.world, args.device, args.mem_gb)
