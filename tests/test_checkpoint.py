@@ -29,6 +29,7 @@ from moeforge.train.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CheckpointMismatchError,
+    ResumeRefusedError,
     complete_checkpoints,
     verify_checkpoint,
 )
@@ -284,7 +285,8 @@ def test_mismatch_corruption_and_pickles_are_refused(tmp_path: Path, caplog: pyt
     with caplog.at_level("WARNING"):
         found = manager.resume(model, opt, {"step": 0})
     assert found is not None and found[0] == older and found[1]["step"] == 1
-    assert any(str(data) in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records)
+    assert any(str(data) in r.getMessage() and "trying the previous" in r.getMessage() for r in caplog.records)
+    assert (newest.parent / f"corrupt_{newest.name}").is_dir() and not newest.exists()  # kept, never overwritten
 
     marker = tmp_path / "pwned"
 
@@ -298,7 +300,9 @@ def test_mismatch_corruption_and_pickles_are_refused(tmp_path: Path, caplog: pyt
     with pytest.raises(CheckpointError, match=r"\.metadata is truncated or corrupt"):
         verify_checkpoint(older)
     assert not marker.exists()
-    assert manager.resume(model, opt, {"step": 0}) is None
+    with pytest.raises(ResumeRefusedError, match=r"no checkpoint of .* can be loaded .*step_00000001"):
+        manager.resume(model, opt, {"step": 0})
+    assert (older / ".metadata").is_file()  # the evidence stays
 
 
 # ------------------------------------------------------------------ conversion

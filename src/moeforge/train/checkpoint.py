@@ -14,6 +14,7 @@ broadcasts, so all ranks load the same one. See docs/checkpoints.md.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
+from moeforge.errors import USAGE, FollowerError, find_oserror, storage_error
 from moeforge.parallel.flat_shards import quiet_sharded_tensor
 from moeforge.train.checkpoint_state import (
     MODEL,
@@ -57,12 +59,14 @@ from moeforge.train.checkpoint_store import (
     tmp_dir,
     verify_checkpoint,
 )
+from moeforge.train.collective import rank0_decides
 
 __all__ = [
     "COMPLETE",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointMismatchError",
+    "ResumeRefusedError",
     "SaveStats",
     "checkpoints_dir",
     "complete_checkpoints",
@@ -82,6 +86,20 @@ def _dist() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _dist() else 0
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """Bytes of this process's tensors in a checkpoint state (local shards of DTensors and ShardedTensors)."""
+    total = 0
+    for v in state.values():
+        if hasattr(v, "local_shards"):
+            total += sum(s.tensor.numel() * s.tensor.element_size() for s in v.local_shards())
+        elif hasattr(v, "to_local"):
+            local = v.to_local()
+            total += local.numel() * local.element_size()
+        elif isinstance(v, Tensor):
+            total += v.numel() * v.element_size()
+    return total
 
 
 @dataclass
@@ -191,12 +209,20 @@ class CheckpointManager:
     def _write(
         self, tmp: Path, state: dict[str, Any], step: int, manifest: dict[str, Any], t0: float, stats: SaveStats
     ) -> SaveStats:
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-        phase("staged")
-        with quiet_sharded_tensor():
-            dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not _dist())
-        if self.rank == 0:
-            final = publish(tmp, self.root, step, manifest, self.keep_last)
+        try:
+            writer = dcp.FileSystemWriter(
+                tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
+            )
+            phase("staged")
+            with quiet_sharded_tensor():
+                dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not _dist())
+            # rank 0 publishes; the others learn of a failure there instead of waiting in the barrier
+            final = rank0_decides(
+                lambda: publish(tmp, self.root, step, manifest, self.keep_last), self.rank == 0, self._group
+            )
+        except Exception as e:
+            raise self._save_failed(e, tmp, step, state) from e
+        if final is not None:
             stats.bytes = int(read_manifest(final)["bytes"])
         if _dist():
             dist.barrier(group=self._group)
@@ -211,6 +237,20 @@ class CheckpointManager:
                 stats.bytes,
             )
         return stats
+
+    def _save_failed(self, error: Exception, tmp: Path, step: int, state: dict[str, Any]) -> Exception:
+        """Remove the unfinished directory (rank 0); a disk error becomes one StorageError with the bytes."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, FollowerError):
+            return error
+        os_error = find_oserror(error)
+        if os_error is None:
+            return error
+        done = complete_checkpoints(self.run_dir)
+        needed = max(state_bytes(state), int(read_manifest(done[-1]).get("bytes", 0)) if done else 0)
+        kept = f"; {done[-1].name} is intact" if done else ""
+        return storage_error(os_error, self.root, f"saving checkpoint {step_name(step)} failed{kept}", needed)
 
     def wait(self) -> SaveStats | None:
         """Join the save in flight (re-raising its error); returns its stats."""
@@ -228,12 +268,12 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- resume
 
-    def _agree_step(self, step: int) -> int:
+    def _broadcast(self, obj: Any) -> Any:
         if not _dist():
-            return step
-        t = torch.tensor([step], dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=0)
-        return int(t.item())
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
 
     def _all_ok(self, ok: bool) -> bool:
         if not _dist():
@@ -242,32 +282,51 @@ class CheckpointManager:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
-    def resume(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, template: dict[str, Any]
-    ) -> tuple[Path, dict[str, Any]] | None:
-        """Load the newest complete checkpoint that verifies and loads everywhere; None if there is none.
+    def _choose(self, policy: str, rejected: dict[str, str]) -> int | str | None:
+        """Rank 0: the step to try next, None to start fresh, or the message of a refusal."""
+        done = complete_checkpoints(self.run_dir)
+        if policy == "never":
+            return resume_refused_message(self.run_dir, policy, done, {}) if done else None
+        for path in reversed(done):
+            if path.name in rejected:
+                continue
+            try:
+                return int(verify_checkpoint(path)["step"])
+            except CheckpointError as e:
+                log.warning("%s; trying the previous checkpoint", e)
+                rejected[path.name] = str(e)
+        if done or policy == "require":
+            return resume_refused_message(self.run_dir, policy, done, rejected)
+        return None
 
-        A corrupt checkpoint is skipped with a warning naming the file; a
-        checkpoint that does not fit the model raises :class:`CheckpointMismatchError`.
+    def resume(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        template: dict[str, Any],
+        policy: str = "auto",
+    ) -> tuple[Path, dict[str, Any]] | None:
+        """Load the newest complete checkpoint that verifies and loads everywhere; None to start fresh.
+
+        ``policy`` is ``train.resume``: ``auto`` starts fresh only when the run has
+        no checkpoint at all, ``never`` only then too (it never loads one), and
+        ``require`` never starts fresh. When checkpoints exist but none loads,
+        :class:`ResumeRefusedError` names them (they are left untouched). A
+        corrupt checkpoint skipped in favour of an older one is moved aside to
+        ``corrupt_step_N`` (never overwritten or pruned). A checkpoint that does
+        not fit the model raises :class:`CheckpointMismatchError`.
         """
         self.wait()
-        rejected: set[str] = set()
+        rejected: dict[str, str] = {}
         while True:
-            step = -1
-            if self.rank == 0:
-                for path in reversed(complete_checkpoints(self.run_dir)):
-                    if path.name in rejected:
-                        continue
-                    try:
-                        step = int(verify_checkpoint(path)["step"])
-                        break
-                    except CheckpointError as e:
-                        log.warning("%s; falling back to the previous checkpoint", e)
-                        rejected.add(path.name)
-            step = self._agree_step(step)
-            if step < 0:
+            choice = self._broadcast(self._choose(policy, rejected) if self.rank == 0 else None)
+            if choice is None:
                 return None
-            path = self.root / step_name(step)
+            if isinstance(choice, str):
+                if self.rank == 0:
+                    raise ResumeRefusedError(choice)
+                raise FollowerError(USAGE, choice)
+            path = self.root / step_name(choice)
             t0 = time.perf_counter()
             error: Exception | None = None
             try:
@@ -279,14 +338,50 @@ class CheckpointManager:
             if self._all_ok(error is None):
                 nbytes = int(read_manifest(path)["bytes"])
                 log.info("loaded checkpoint %s in %.3fs (%d bytes)", path, time.perf_counter() - t0, nbytes)
+                if self.rank == 0:
+                    for name in rejected:
+                        quarantine(self.root / name)
                 return path, state
             if self.rank == 0:
                 log.warning(
-                    "checkpoint %s could not be loaded (%s); falling back to the previous checkpoint",
+                    "checkpoint %s could not be loaded (%s); trying the previous checkpoint",
                     path,
                     error or "failed on another rank",
                 )
-            rejected.add(path.name)
+                rejected[path.name] = f"{path}: {error or 'failed to load on another rank'}"
+
+
+class ResumeRefusedError(CheckpointError):
+    """``train.resume`` forbids what the run directory holds (or nothing in it loads); nothing was changed."""
+
+
+def resume_refused_message(run_dir: Path, policy: str, done: list[Path], rejected: dict[str, str]) -> str:
+    """One line: why the resume is refused, which checkpoints, and how to start fresh on purpose."""
+    fresh = "to start fresh on purpose, choose a new train.run_dir"
+    if policy == "never":
+        return (
+            f"train.resume=never: {run_dir} already holds checkpoints {[p.name for p in done]}; {fresh} "
+            "(moeforge does not overwrite them) or set train.resume=auto to continue"
+        )
+    if not done:
+        return f"train.resume=require: {run_dir} holds no complete checkpoint to resume from"
+    reasons = "; ".join(rejected[p.name] for p in reversed(done) if p.name in rejected)
+    return (
+        f"no checkpoint of {run_dir} can be loaded ({reasons}); they are kept as they are for inspection; "
+        f"{fresh}, or move {checkpoints_dir(run_dir)} away"
+    )
+
+
+def quarantine(path: Path) -> Path:
+    """Rank 0: move an unloadable checkpoint to ``corrupt_<name>`` so that no save overwrites or prunes it."""
+    target = path.with_name(f"corrupt_{path.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"corrupt_{path.name}.{n}")
+    os.replace(path, target)
+    log.warning("moved unloadable checkpoint %s to %s (kept for inspection)", path, target)
+    return target
 
 
 # ------------------------------------------------------------- single process
