@@ -64,7 +64,7 @@ def test_a_second_job_on_a_run_dir_is_refused_and_the_first_finishes(tmp_path: P
         assert first.poll() is None, first.communicate()
         time.sleep(0.1)
     second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    out, err = first.communicate(timeout=300)
+    _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
     assert second.returncode == 2
     lines = _errors(second.stderr)
@@ -149,7 +149,8 @@ def test_prepared_data_of_other_sources_is_never_overwritten(
 ) -> None:
     cfg = tiny_config(tmp_path)
     data = Path(cfg.data.data_dir)
-    assert main(["prepare", "--sources", *cfg.data.sources, "--out", str(data), "--config", str(_yaml(tmp_path, "a"))]) == 0
+    prepare = ["prepare", "--sources", *cfg.data.sources, "--out", str(data), "--config", str(_yaml(tmp_path, "a"))]
+    assert main(prepare) == 0
     before = _snapshot(data)
     capsys.readouterr()
     run = f"--train.run_dir={tmp_path / 'run'}"
@@ -179,7 +180,7 @@ def test_no_checkpoint_is_written_during_a_non_finite_streak(tmp_path: Path) -> 
 
     trainer = Trainer(tiny_config(tmp_path, "--train.max_steps=10", "--train.keep_last=1", *base))
     trainer.model.register_forward_hook(lambda m, i, o: o * float("nan"))
-    with pytest.raises(TrainingError, match="3 consecutive non-finite steps.*step_00000002 is untouched"):
+    with pytest.raises(TrainingError, match=r"3 consecutive non-finite steps.*step_00000002 is untouched"):
         trainer.fit()
     assert complete_checkpoints(tmp_path / "run") == good and _snapshot(good[0]) == before  # not pruned away
 

@@ -202,7 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         return int(args.func(args, extra) or 0)
-    except Exception as e:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch's CheckpointException is a BaseException
         known = classify(e)
         if known is None:
             raise

@@ -48,8 +48,12 @@ _PEER_MARKERS = (
 )
 
 
-class StorageError(OSError):
+class StorageError(RuntimeError):
     """Writing to disk failed (no space, read-only, I/O error); the message names the path and the bytes."""
+
+    def __init__(self, message: str, errno_: int = 0) -> None:
+        super().__init__(message)
+        self.errno = errno_
 
 
 class FollowerError(RuntimeError):
@@ -79,7 +83,7 @@ def storage_error(exc: OSError, path: Path, what: str, needed: int | None = None
         free = "free space unknown"
     reason = "no space left on device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or str(exc))
     need = f", about {bytes_text(needed)} needed" if needed else ""
-    err = StorageError(exc.errno or 0, f"{what}: {reason} at {path} ({free}{need})")
+    err = StorageError(f"{what}: {reason} at {path} ({free}{need})", exc.errno or 0)
     err.__cause__ = exc
     return err
 
@@ -96,8 +100,9 @@ def find_oserror(exc: BaseException) -> OSError | None:
         if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
             return e
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            todo.extend(v for v in failures.values() if isinstance(v, BaseException))
+        if isinstance(failures, dict):  # values are (exception, traceback summary) pairs
+            for v in failures.values():
+                todo.extend(x for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, BaseException))
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     return None
 

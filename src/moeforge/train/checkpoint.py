@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moeforge.errors import USAGE, FollowerError, find_oserror, storage_error
 from moeforge.parallel.flat_shards import quiet_sharded_tensor
@@ -220,7 +221,7 @@ class CheckpointManager:
             final = rank0_decides(
                 lambda: publish(tmp, self.root, step, manifest, self.keep_last), self.rank == 0, self._group
             )
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise self._save_failed(e, tmp, step, state) from e
         if final is not None:
             stats.bytes = int(read_manifest(final)["bytes"])
@@ -238,7 +239,7 @@ class CheckpointManager:
             )
         return stats
 
-    def _save_failed(self, error: Exception, tmp: Path, step: int, state: dict[str, Any]) -> Exception:
+    def _save_failed(self, error: BaseException, tmp: Path, step: int, state: dict[str, Any]) -> BaseException:
         """Remove the unfinished directory (rank 0); a disk error becomes one StorageError with the bytes."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
