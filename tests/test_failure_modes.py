@@ -159,8 +159,12 @@ def test_a_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(
 # ------------------------------------------------------------------ survival: a peer dies mid all-to-all
 
 
-def test_a_rank_killed_mid_all_to_all_stops_the_other_with_one_line(tmp_path: Path) -> None:
-    timeout_s = 30
+@pytest.mark.parametrize("sig, timeout_s", [(signal.SIGKILL, 30), (signal.SIGSTOP, 8)], ids=["killed", "hung"])
+def test_a_rank_lost_mid_all_to_all_stops_the_other_with_one_line(
+    tmp_path: Path, sig: signal.Signals, timeout_s: int
+) -> None:
+    # SIGKILL: the peer's sockets close and gloo reports it at once; SIGSTOP: a hung peer, reported
+    # when parallel.timeout_s runs out. Either way one line, exit 5, no hang.
     cfg = _yaml(
         tmp_path,
         "--parallel.ep=2",
@@ -188,11 +192,14 @@ def test_a_rank_killed_mid_all_to_all_stops_the_other_with_one_line(tmp_path: Pa
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
         time.sleep(0.05)
-    procs[1].send_signal(signal.SIGKILL)  # training is all forward/backward: it dies inside an all-to-all
+    procs[1].send_signal(sig)  # training is all forward/backward: it stops inside an all-to-all
     t0 = time.monotonic()
-    _, err = procs[0].communicate(timeout=timeout_s + 30)
+    try:
+        _, err = procs[0].communicate(timeout=timeout_s + 30)
+    finally:
+        procs[1].kill()
+        procs[1].wait()
     assert time.monotonic() - t0 < timeout_s + 5
-    procs[1].wait()
     assert procs[0].returncode == 5, err[-3000:]
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("moeforge: error:")]

@@ -88,6 +88,8 @@ def launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if world is not None:
         validate_layout(cfg, world)
     check_run_dir_free(Path(cfg.train.run_dir))
+    if args.nproc_per_node > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch's own default, without its warning banner
     config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(_torchrun_argv(args, overrides)))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # a fresh store per attempt (see above)
     try:

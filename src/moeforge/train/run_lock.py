@@ -4,10 +4,11 @@ Rank 0 creates the lock file atomically (``O_CREAT | O_EXCL``) holding JSON
 ``{host, pid, started, run_id, token}`` and removes it when the job ends; the
 other ranks learn the outcome collectively (:func:`acquire_run_lock`). A lock
 is *stale*, and taken over, when its holder ran on this host and that process
-is gone, or when it belongs to an earlier attempt of this very job (same
-``TORCHELASTIC_RUN_ID``: torch's elastic launcher stops every worker before
-it restarts them). A lock held from another host cannot be checked for
-liveness; it is refused with the command to remove it.
+is gone, or when it was taken on another host by an earlier attempt of this
+very job (same ``TORCHELASTIC_RUN_ID``, not torchrun's default ``none``: the
+elastic launcher stops every worker before it restarts them). Any other lock
+held from another host cannot be checked for liveness; it is refused with the
+file to remove.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ def _read(path: Path) -> LockInfo | None:
 
 
 def _stale(holder: LockInfo, me: LockInfo) -> bool:
-    if holder.run_id and holder.run_id == me.run_id:
-        return True  # an earlier attempt of this job, stopped by the elastic launcher before the restart
-    return holder.host == me.host and (holder.pid == me.pid or not _pid_alive(holder.pid))
+    if holder.host == me.host:
+        return holder.pid == me.pid or not _pid_alive(holder.pid)
+    # From another host liveness cannot be checked; an earlier attempt of this very launcher job (rank 0
+    # restarted elsewhere) is recognised by its run id. torchrun's default id "none" is not a job's own.
+    return holder.run_id not in ("", "none") and holder.run_id == me.run_id
 
 
 def _prepare_dir(run_dir: Path) -> bool:
