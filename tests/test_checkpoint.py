@@ -29,6 +29,7 @@ from moeforge.train.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CheckpointMismatchError,
+    ResumeRefusedError,
     complete_checkpoints,
     verify_checkpoint,
 )
@@ -175,33 +176,23 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> Non
     assert [r["step"] for r in read_metrics(tmp_path / "renamed")][-2:] == [5, 6]
 
 
-def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path: Path) -> None:
+def test_the_launcher_restarts_a_killed_rank_and_resumes_to_the_same_loss(tmp_path: Path) -> None:
+    # The documented command (docs/launch.md) as written: no environment variable to set.
     cfg = _cfg(tmp_path, "restart", "ddp2", "--train.debug_kill_at_step=3")
     ensure_data(cfg)
     save_config(cfg, tmp_path / "restart.yaml")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--max-restarts=1",
-        "--monitor-interval=0.2",
-        "--standalone",
-        "-m",
-        "moeforge",
-        "train",
-        str(tmp_path / "restart.yaml"),
-    ]
-    # torch's launcher shares its rendezvous store with the workers by default, and on a restart the
-    # gloo workers then read the dead attempt's addresses; a store per attempt avoids that.
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    cmd = [sys.executable, "-m", "moeforge", "train", str(tmp_path / "restart.yaml")]
+    cmd += ["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr.decode()[-4000:]
     assert (tmp_path / "restart" / ".debug_killed_at_step_3").is_file()  # rank 1 did die once
-    # Rank 1 died entering the save of step 4 (after step 4's metrics); the restart resumed from step 2.
+    # Rank 1 died entering the save of step 4; the restart resumed from step 2 and dropped the
+    # records of steps 3-4 that it trained again, so metrics.jsonl holds every step once.
     got = read_metrics(tmp_path / "restart")
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 3, 4]
-    assert [r["loss"] for r in got[4:]] == [r["loss"] for r in got[2:4]]  # as the uninterrupted first attempt
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    Trainer(_cfg(tmp_path, "uninterrupted", "single")).fit()
+    _close([r["loss"] for r in got], _losses(tmp_path, "uninterrupted"), "restarted vs uninterrupted")
     assert [p.name for p in complete_checkpoints(tmp_path / "restart")] == ["step_00000002", "step_00000004"]
 
 
@@ -284,7 +275,8 @@ def test_mismatch_corruption_and_pickles_are_refused(tmp_path: Path, caplog: pyt
     with caplog.at_level("WARNING"):
         found = manager.resume(model, opt, {"step": 0})
     assert found is not None and found[0] == older and found[1]["step"] == 1
-    assert any(str(data) in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records)
+    assert any(str(data) in r.getMessage() and "trying the previous" in r.getMessage() for r in caplog.records)
+    assert (newest.parent / f"corrupt_{newest.name}").is_dir() and not newest.exists()  # kept, never overwritten
 
     marker = tmp_path / "pwned"
 
@@ -298,7 +290,9 @@ def test_mismatch_corruption_and_pickles_are_refused(tmp_path: Path, caplog: pyt
     with pytest.raises(CheckpointError, match=r"\.metadata is truncated or corrupt"):
         verify_checkpoint(older)
     assert not marker.exists()
-    assert manager.resume(model, opt, {"step": 0}) is None
+    with pytest.raises(ResumeRefusedError, match=r"no checkpoint of .* can be loaded .*step_00000001"):
+        manager.resume(model, opt, {"step": 0})
+    assert (older / ".metadata").is_file()  # the evidence stays
 
 
 # ------------------------------------------------------------------ conversion

@@ -45,6 +45,19 @@ def test_bad_config_is_one_line_exit_2_no_run_dir(
     assert not run_dir.exists()
 
 
+def test_launcher_validates_the_config_once(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "moeforge", "train", DEMO, "--nproc-per-node", "2", "--model.moe.top_k=20"]
+    p = subprocess.run([*cmd, f"--train.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "moeforge: error: model.moe.top_k: must be <= model.moe.num_experts (8), got 20"
+    ]
+    layout = [sys.executable, "-m", "moeforge", "train", DEMO, "--nproc-per-node", "3", "--parallel.ep=2"]
+    p = subprocess.run(layout, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("moeforge: error: parallel.ep: must divide the world size (3)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_end_to_end_subprocess(tmp_path: Path) -> None:
     sources = write_corpus(tmp_path / "corpus", n_docs=4, words_per_doc=1500)
     data_dir = tmp_path / "data"

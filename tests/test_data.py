@@ -154,8 +154,11 @@ def test_prepare_is_idempotent_and_redoes_work_on_change(tmp_path):
     assert prepare_data(cfg) == meta
     assert file_ids(Path(cfg.data_dir)) == before  # nothing rewritten
 
-    cfg.val_fraction = 0.5
-    meta2 = prepare_data(cfg)
+    cfg.val_fraction = 0.5  # other settings: refused (see test_prepared_data_of_other_sources_is_never_overwritten)
+    with pytest.raises(DataError, match="prepared from other val_fraction"):
+        prepare_data(cfg)
+    assert file_ids(Path(cfg.data_dir)) == before
+    meta2 = prepare_data(cfg, overwrite=True)
     assert meta2.val.documents == 3
     after = file_ids(Path(cfg.data_dir))
     assert after["meta.json"] != before["meta.json"] and after["val.bin"] != before["val.bin"]
@@ -268,9 +271,10 @@ def test_token_ids_beyond_the_vocab_are_rejected_and_leave_no_complete_dir(tmp_p
     tok = word_level_tokenizer(tmp_path / "gappy.json", {"[UNK]": 0, EOS_TOKEN: 1, "hello": 2, "world": 999})
     assert Tokenizer.from_file(tok).vocab_size == 4
     with pytest.raises(DataError, match=r"doc0.txt: tokenizer .*gappy.json produced token id 999 >= its vocab"):
-        prepare_data(cfg_for(tmp_path, corpus, tokenizer=str(tok)))
-    # The failed re-prepare removed the stale meta first and left no temp files behind.
-    assert sorted(p.name for p in good.data_dir.iterdir()) == ["tokenizer.json", "train.bin", "val.bin"]
+        prepare_data(cfg_for(tmp_path, corpus, tokenizer=str(tok)), overwrite=True)
+    # The failed re-prepare removed the stale meta first and left no temp files behind (its marker stays).
+    names = sorted(p.name for p in good.data_dir.iterdir())
+    assert names == [".preparing.json", "tokenizer.json", "train.bin", "val.bin"]
     with pytest.raises(DataError, match=r"meta.json: not found"):
         load_meta(good.data_dir)
 

@@ -80,7 +80,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path: Path) -> None:
     cfg2 = tiny_config(tmp_path, "--train.max_steps=10", "--train.max_consecutive_skips=3")
     trainer = Trainer(cfg2)
     trainer.model.register_forward_hook(lambda m, i, o: o * float("nan"))
-    with pytest.raises(TrainingError, match="3 consecutive steps"):
+    with pytest.raises(TrainingError, match="3 consecutive non-finite steps"):
         trainer.fit()
     records = read_metrics(cfg.train.run_dir)
     assert [r["skipped"] for r in records[-3:]] == [True, True, True]

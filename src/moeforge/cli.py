@@ -9,10 +9,11 @@ import sys
 from collections.abc import Sequence
 
 from moeforge.config import ConfigError, load_config
+from moeforge.errors import EXIT_CODES_HELP, USAGE, classify
 
 log = logging.getLogger("moeforge")
 
-USAGE_ERROR = 2
+USAGE_ERROR = USAGE
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -25,19 +26,31 @@ def _setup_logging(level: str = "INFO") -> None:
     )
 
 
-def _fail(msg: str) -> int:
+def _fail(msg: str, code: int = USAGE_ERROR) -> int:
     sys.stderr.write(f"moeforge: error: {msg}\n")
-    return USAGE_ERROR
+    return code
+
+
+def _rank() -> int:
+    """This process's rank as its launcher announced it (torchrun and moeforge's launcher set RANK)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     """Train from a config file plus dotted overrides."""
     from moeforge.train.trainer import Trainer, step_summary
 
+    if args.nproc_per_node is not None:
+        from moeforge.launch import launch_train
+
+        return launch_train(args, overrides)
     cfg = load_config(args.config, overrides)
     _setup_logging(cfg.logging.level)
     trainer = Trainer(cfg)
-    last = trainer.fit()
+    try:
+        last = trainer.fit()
+    finally:
+        trainer.close()
     summary = step_summary(last)
     sample = None
     if cfg.train.sample_prompt and cfg.train.sample_tokens:
@@ -60,7 +73,7 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
         extra.append(f"--data.data_dir={args.out}")
     cfg = load_config(args.config, extra)
     _setup_logging(cfg.logging.level)
-    meta = prepare_data(cfg.data)
+    meta = prepare_data(cfg.data, overwrite=args.overwrite)
     sys.stdout.write(
         f"prepared {meta.data_dir}: vocab {meta.vocab_size}, train {meta.train.tokens} tokens "
         f"({meta.train.documents} docs), val {meta.val.tokens} tokens ({meta.val.documents} docs)\n"
@@ -96,6 +109,8 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
             out = run_to_safetensors(args.src, args.dst)
         else:
             out = hf_to_run(args.src, args.dst, args.config, overrides)
+    except ConfigError:
+        raise  # its message names the field already
     except (ValueError, FileNotFoundError) as e:  # an unsupported feature or a missing file, named
         return _fail(f"convert: {e}")
     sys.stdout.write(f"wrote {out}\n")
@@ -104,7 +119,7 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
-    parser = argparse.ArgumentParser(prog="moeforge", description=__doc__)
+    parser = argparse.ArgumentParser(prog="moeforge", description=__doc__, epilog=EXIT_CODES_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -112,15 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a model",
         description="Train from CONFIG; override any field with --section.field=value, "
         "e.g. --model.moe.num_experts=16 --train.max_steps=100 --train.run_dir=runs/x. "
-        "Sections: model, model.moe, data, optim, train, parallel, logging.",
+        "Sections: model, model.moe, data, optim, train, parallel, logging. "
+        "With --nproc-per-node, moeforge validates the config once and starts the workers itself "
+        "(torch's elastic launcher; see docs/launch.md).",
+        epilog=EXIT_CODES_HELP,
     )
     p.add_argument("config", help="YAML config file, e.g. configs/shakespeare.yaml")
+    from moeforge.launch import add_launch_arguments
+
+    add_launch_arguments(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("prepare", help="tokenise text into the memmap format")
     p.add_argument("--config", default=None, help="YAML config whose data section to use")
     p.add_argument("--sources", nargs="*", default=None, help="text or JSONL files (default: embedded corpus)")
     p.add_argument("--out", default=None, help="output data dir (data.data_dir)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="rebuild the data dir even if it holds data of other sources or settings",
+    )
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("generate", help="sample text from a run's newest checkpoint")
@@ -164,16 +190,28 @@ def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for bad input)."""
+    """Entry point; returns the process exit code (see ``moeforge --help`` and docs/checkpoints.md).
+
+    A known failure is one line on stderr; under a launcher, a failure every rank
+    sees alike is written by rank 0 only. Unknown errors (bugs) keep their traceback.
+    """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    from moeforge.data import DataError
-    from moeforge.train.checkpoint import CheckpointError
-
     try:
         return int(args.func(args, extra) or 0)
-    except (ConfigError, DataError, CheckpointError) as e:
-        return _fail(str(e))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        known = classify(e)
+        if known is None:
+            raise
+        code, message, collective = known
+        rank = _rank()
+        if rank == 0:
+            return _fail(message, code)
+        if not collective:
+            return _fail(f"[rank {rank}] {message}", code)
+        return code
 
 
 def entry() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,10 @@ class TrainConfig:
     run_dir: str = "runs/default"
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
+    # auto: resume from the newest loadable checkpoint, start fresh when there is none, stop when
+    # checkpoints exist but none loads; never: start fresh, refusing a run dir that has checkpoints;
+    # require: stop unless a checkpoint loads (docs/checkpoints.md)
+    resume: Literal["auto", "never", "require"] = "auto"
     async_save: bool = False  # snapshot to CPU, write the checkpoint in a background thread
     debug_kill_at_step: int = 0  # TEST ONLY: SIGKILL the last rank at its first save at/after this step, once
     eval_every: int = 0  # 0: only at the end
@@ -217,9 +222,12 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{name}: expected a number, got {value!r}")
         try:
-            return float(value)
-        except (TypeError, ValueError):
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{name}: must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{name}: expected a string, got {value!r}")
@@ -281,6 +289,11 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         if not arg.startswith("--") or len(arg) <= 2:
             raise ConfigError(f"{arg}: expected an override like --section.field=value")
         body = arg[2:]
+        if "." not in body.split("=", 1)[0]:
+            raise ConfigError(
+                f"--{body.split('=', 1)[0]}: unknown option; config overrides look like --section.field=value "
+                "(see `moeforge train --help`)"
+            )
         if "=" in body:
             key, value = body.split("=", 1)
         elif i + 1 < len(args) and not args[i + 1].startswith("--"):

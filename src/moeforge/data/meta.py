@@ -86,6 +86,17 @@ class DataMeta:
         return cls(**d, data_dir=data_dir)
 
 
+def _check_numbers(meta: DataMeta) -> None:
+    """ValueError unless every count of ``meta`` is a non-negative integer (a hand-edited file may hold anything)."""
+    numbers = {"vocab_size": meta.vocab_size, "eos_id": meta.eos_id}
+    for name in SPLITS:
+        for k, v in asdict(meta.split(name)).items():
+            numbers[f"{name}.{k}"] = v
+    for k, v in numbers.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{k} must be a non-negative integer, got {v!r}")
+
+
 def write_meta(meta: DataMeta) -> Path:
     """Write ``meta.json`` atomically into ``meta.data_dir``."""
     path = meta.data_dir / META_FILE
@@ -109,6 +120,7 @@ def load_meta(data_dir: str | Path) -> DataMeta:
     try:
         meta = DataMeta.from_dict(json.loads(path.read_text()), data_dir)
         np.dtype(meta.dtype)
+        _check_numbers(meta)
     except (ValueError, TypeError, KeyError) as e:
         raise DataError(f"{path}: corrupt ({e}); delete {data_dir} and {PREPARE_HINT}") from None
     if meta.version != META_VERSION:

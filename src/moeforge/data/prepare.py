@@ -8,7 +8,8 @@ Output in ``cfg.data_dir``::
     meta.json        written last: its presence means the directory is complete
 
 Preparation is idempotent (a directory whose ``meta.json`` matches the sources
-and settings is reused without work) and atomic (temp files, then renames,
+and settings is reused without work), never overwrites data it did not make
+from the same sources and settings (see :func:`_reusable`), and atomic (temp files, then renames,
 ``meta.json`` last; a stale ``meta.json`` is removed before anything else
 changes), so a killed prepare never leaves a directory that looks complete.
 """
@@ -16,12 +17,14 @@ changes), so a killed prepare never leaves a directory that looks complete.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import random
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 SPLIT_SEED = 1234
 TOKENIZER_FILE = "tokenizer.json"
+PREPARING_FILE = ".preparing.json"  # written before a (re)build starts, removed after meta.json
+_PROVENANCE_KEYS = ("sources", "sources_fingerprint", "tokenizer_key", "val_fraction", "split_seed")
 _ENCODE_CHUNK = 64  # documents per encode_batch call
 
 
@@ -69,19 +74,61 @@ def _tokenizer_key(cfg: DataConfig) -> str:
     return "file:" + hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _reusable(data_dir: Path, fingerprint: str, tokenizer_key: str, val_fraction: float) -> DataMeta | None:
-    if not (data_dir / META_FILE).is_file():
+def _same_paths(a: Sequence[str], b: Sequence[str]) -> bool:
+    return len(a) == len(b) and all(x == y or Path(x).resolve() == Path(y).resolve() for x, y in zip(a, b))
+
+
+def _recorded(data_dir: Path) -> dict[str, Any] | None:
+    """The provenance moeforge wrote into ``data_dir`` (``meta.json``, else an unfinished prepare's marker)."""
+    for name in (META_FILE, PREPARING_FILE):
+        try:
+            d = json.loads((data_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict) and all(k in d for k in _PROVENANCE_KEYS):
+            return d
+    return None
+
+
+def _reusable(data_dir: Path, provenance: dict[str, Any], overwrite: bool) -> DataMeta | None:
+    """The directory's metadata if it can be reused; None if it may be (re)built; DataError if it must not be touched.
+
+    A directory is built when it is missing or empty, reused when its ``meta.json``
+    records these sources and settings, and rebuilt only when moeforge made it from
+    the same source files and settings (their contents changed, or a prepare was
+    killed half-way). Anything else is refused unless ``overwrite``.
+    """
+    if not data_dir.exists() or (data_dir.is_dir() and not any(data_dir.iterdir())):
         return None
-    try:
-        meta = load_meta(data_dir)
-    except DataError as e:
-        logger.info("preparing again: %s", e)
+    if not data_dir.is_dir():
+        raise DataError(f"data.data_dir: {data_dir} is a file, not a directory; choose another data.data_dir")
+    found = _recorded(data_dir)
+    if found is not None and all(found[k] == provenance[k] for k in _PROVENANCE_KEYS[1:]):  # wherever files lie
+        try:
+            return load_meta(data_dir)
+        except DataError as e:
+            logger.info("preparing again: %s", e)
+            return None
+    if overwrite:
+        logger.info("overwriting %s as asked", data_dir)
         return None
-    found = (meta.sources_fingerprint, meta.tokenizer_key, meta.val_fraction, meta.split_seed)
-    if found != (fingerprint, tokenizer_key, val_fraction, SPLIT_SEED):
-        logger.info("preparing again: sources or data settings changed since %s was written", META_FILE)
+    if found is None:
+        raise DataError(
+            f"data.data_dir: {data_dir} is not empty and holds no data prepared by moeforge; choose an empty or "
+            "new data.data_dir (moeforge never overwrites files it did not write)"
+        )
+    settings = ("tokenizer_key", "val_fraction", "split_seed")
+    if _same_paths(found["sources"], provenance["sources"]) and all(found[k] == provenance[k] for k in settings):
+        logger.info("preparing again: the source files changed since %s was written", META_FILE)
         return None
-    return meta
+    changed = [k for k in ("sources_fingerprint", *settings) if found[k] != provenance[k]]
+    changed = ["sources" if k == "sources_fingerprint" else k for k in changed]
+    shown = ", ".join(str(s) for s in found["sources"][:3]) + (" ..." if len(found["sources"]) > 3 else "")
+    raise DataError(
+        f"data.data_dir: {data_dir} was prepared from other {'/'.join(changed)} (sources: {shown}); pass the "
+        "data.sources and settings it was prepared with, choose another data.data_dir, or run "
+        "`moeforge prepare --overwrite` to rebuild it"
+    )
 
 
 def _write_split(docs: Sequence[Document], tokenizer: Tokenizer, dtype: np.dtype, path: Path) -> SplitStats:
@@ -119,22 +166,33 @@ def _load_tokenizer(cfg: DataConfig, train_docs: Sequence[Document]) -> Tokenize
     return tokenizer
 
 
-def prepare_data(cfg: DataConfig) -> DataMeta:
+def prepare_data(cfg: DataConfig, overwrite: bool = False) -> DataMeta:
     """Tokenize ``cfg.sources`` (or the embedded corpus when empty) into ``cfg.data_dir``.
 
     Text files are one document each, ``.jsonl`` files one document per line (the
     ``text`` field). Documents are split into train/validation by a seeded
     shuffle (see :func:`split_documents`). Returns the (new or reused) metadata.
 
+    An existing directory is reused or rebuilt only under the rules of
+    :func:`_reusable`; ``overwrite`` rebuilds any directory on purpose.
+
     Raises:
-        DataError: for missing, empty or malformed inputs and for token ids
-            outside the vocabulary, naming the file (and line).
+        DataError: for missing, empty or malformed inputs, for token ids
+            outside the vocabulary, naming the file (and line), and for a
+            ``data_dir`` that holds other data.
     """
     sources = [str(s) for s in cfg.sources] or [str(p) for p in embedded_corpus_files()]
     data_dir = Path(cfg.data_dir)
     fingerprint = sources_fingerprint(sources)
     tokenizer_key = _tokenizer_key(cfg)
-    reused = _reusable(data_dir, fingerprint, tokenizer_key, cfg.val_fraction)
+    provenance = {
+        "sources": sources,
+        "sources_fingerprint": fingerprint,
+        "tokenizer_key": tokenizer_key,
+        "val_fraction": cfg.val_fraction,
+        "split_seed": SPLIT_SEED,
+    }
+    reused = _reusable(data_dir, provenance, overwrite)
     if reused is not None:
         logger.info("reusing the prepared data in %s", data_dir)
         return reused
@@ -152,6 +210,7 @@ def prepare_data(cfg: DataConfig) -> DataMeta:
     dtype = token_dtype(tokenizer.vocab_size)
 
     data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / PREPARING_FILE).write_text(json.dumps(provenance) + "\n")  # ours, even if killed from here on
     (data_dir / META_FILE).unlink(missing_ok=True)  # the old data is no longer complete from here on
     suffix = f".tmp.{os.getpid()}"
     outputs = {name: data_dir / f"{name}.bin" for name in ("train", "val")}
@@ -188,6 +247,7 @@ def prepare_data(cfg: DataConfig) -> DataMeta:
         data_dir=data_dir,
     )
     write_meta(meta)
+    (data_dir / PREPARING_FILE).unlink(missing_ok=True)
     logger.info(
         "prepared %s: train %d docs / %d tokens, val %d docs / %d tokens, vocab %d (%s)",
         data_dir,

@@ -23,12 +23,12 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from moeforge.config import ModelConfig
 from moeforge.interop.hf_config import config_from_hf, config_to_hf
-from moeforge.interop.safetensors_io import full_state_dict, load_state_checked
+from moeforge.interop.safetensors_io import full_state_dict, load_state_checked, save_file_umask
 from moeforge.model import MoETransformer
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str, writer: bool 
     out = Path(out_dir)
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file_umask(tensors, out / "model.safetensors", {"format": "pt"})
         (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         logger.info("wrote %s checkpoint (%d tensors) to %s", flavor, len(tensors), out)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -78,6 +79,14 @@ def load_state_checked(model: nn.Module, state: dict[str, Tensor], source: str) 
             t.copy_(src)
 
 
+def save_file_umask(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, then the mode a plain ``open()`` would give (safetensors writes 0600)."""
+    save_file(tensors, str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def to_safetensors(model: nn.Module, path: str | Path, writer: bool = True) -> Path:
     """Write the model's full state dict to one safetensors file (tied weights stored once).
 
@@ -94,7 +103,7 @@ def to_safetensors(model: nn.Module, path: str | Path, writer: bool = True) -> P
     out = Path(path)
     if writer:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata=metadata)
+        save_file_umask({k: v.contiguous() for k, v in state.items()}, out, metadata)
         logger.info("wrote %d tensors to %s", len(state), out)
     return out
 

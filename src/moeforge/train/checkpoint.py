@@ -25,10 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 
+from moeforge.errors import USAGE, FollowerError, find_oserror, storage_error
 from moeforge.parallel.flat_shards import quiet_sharded_tensor, snapshot
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.stack import TrainingStack
+from moeforge.train.checkpoint_policy import ResumeRefusedError, quarantine, resume_refused_message, state_bytes
 from moeforge.train.checkpoint_state import (
     MODEL,
     OPTIM,
@@ -56,12 +59,14 @@ from moeforge.train.checkpoint_store import (
     tmp_dir,
     verify_checkpoint,
 )
+from moeforge.train.collective import rank0_decides
 
 __all__ = [
     "COMPLETE",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointMismatchError",
+    "ResumeRefusedError",
     "SaveStats",
     "checkpoints_dir",
     "complete_checkpoints",
@@ -203,12 +208,20 @@ class CheckpointManager:
     def _write(
         self, tmp: Path, state: dict[str, Any], step: int, manifest: dict[str, Any], t0: float, stats: SaveStats
     ) -> SaveStats:
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-        phase("staged")
-        with quiet_sharded_tensor():
-            dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not self.distributed)
-        if self.rank == 0:
-            final = publish(tmp, self.root, step, manifest, self.keep_last)
+        try:
+            writer = dcp.FileSystemWriter(
+                tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
+            )
+            phase("staged")
+            with quiet_sharded_tensor():
+                dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not self.distributed)
+            # rank 0 publishes; the others learn of a failure there instead of waiting in the barrier
+            final = rank0_decides(
+                lambda: publish(tmp, self.root, step, manifest, self.keep_last), self.mesh, self._group
+            )
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise self._save_failed(e, tmp, step, state) from e
+        if final is not None:
             stats.bytes = int(read_manifest(final)["bytes"])
         if self.distributed:
             dist.barrier(group=self._group)
@@ -223,6 +236,20 @@ class CheckpointManager:
                 stats.bytes,
             )
         return stats
+
+    def _save_failed(self, error: BaseException, tmp: Path, step: int, state: dict[str, Any]) -> BaseException:
+        """Remove the unfinished directory (rank 0); a disk error becomes one StorageError with the bytes."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, FollowerError):
+            return error
+        os_error = find_oserror(error)
+        if os_error is None:
+            return error
+        done = complete_checkpoints(self.run_dir)
+        needed = max(state_bytes(state), int(read_manifest(done[-1]).get("bytes", 0)) if done else 0)
+        kept = f"; {done[-1].name} is intact" if done else ""
+        return storage_error(os_error, self.root, f"saving checkpoint {step_name(step)} failed{kept}", needed)
 
     def wait(self) -> SaveStats | None:
         """Join the save in flight (re-raising its error); returns its stats."""
@@ -240,12 +267,12 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- resume
 
-    def _agree_step(self, step: int) -> int:
+    def _broadcast(self, obj: Any) -> Any:
         if not self.distributed:
-            return step
-        t = torch.tensor([step], dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=0)
-        return int(t.item())
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
 
     def _all_ok(self, ok: bool) -> bool:
         if not self.distributed:
@@ -254,32 +281,51 @@ class CheckpointManager:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
-    def resume(
-        self, model: nn.Module, stack: TrainingStack | None, template: dict[str, Any]
-    ) -> tuple[Path, dict[str, Any]] | None:
-        """Load the newest complete checkpoint that verifies and loads everywhere; None if there is none.
+    def _choose(self, policy: str, rejected: dict[str, str]) -> int | str | None:
+        """Rank 0: the step to try next, None to start fresh, or the message of a refusal."""
+        done = complete_checkpoints(self.run_dir)
+        if policy == "never":
+            return resume_refused_message(self.run_dir, policy, done, {}) if done else None
+        for path in reversed(done):
+            if path.name in rejected:
+                continue
+            try:
+                return int(verify_checkpoint(path)["step"])
+            except CheckpointError as e:
+                log.warning("%s; trying the previous checkpoint", e)
+                rejected[path.name] = str(e)
+        if done or policy == "require":
+            return resume_refused_message(self.run_dir, policy, done, rejected)
+        return None
 
-        A corrupt checkpoint is skipped with a warning naming the file; a
-        checkpoint that does not fit the model raises :class:`CheckpointMismatchError`.
+    def resume(
+        self,
+        model: nn.Module,
+        stack: TrainingStack | None,
+        template: dict[str, Any],
+        policy: str = "auto",
+    ) -> tuple[Path, dict[str, Any]] | None:
+        """Load the newest complete checkpoint that verifies and loads everywhere; None to start fresh.
+
+        ``policy`` is ``train.resume``: ``auto`` starts fresh only when the run has
+        no checkpoint at all, ``never`` only then too (it never loads one), and
+        ``require`` never starts fresh. When checkpoints exist but none loads,
+        :class:`ResumeRefusedError` names them (they are left untouched). A
+        corrupt checkpoint skipped in favour of an older one is moved aside to
+        ``corrupt_step_N`` (never overwritten or pruned). A checkpoint that does
+        not fit the model raises :class:`CheckpointMismatchError`.
         """
         self.wait()
-        rejected: set[str] = set()
+        rejected: dict[str, str] = {}
         while True:
-            step = -1
-            if self.rank == 0:
-                for path in reversed(complete_checkpoints(self.run_dir)):
-                    if path.name in rejected:
-                        continue
-                    try:
-                        step = int(verify_checkpoint(path)["step"])
-                        break
-                    except CheckpointError as e:
-                        log.warning("%s; falling back to the previous checkpoint", e)
-                        rejected.add(path.name)
-            step = self._agree_step(step)
-            if step < 0:
+            choice = self._broadcast(self._choose(policy, rejected) if self.rank == 0 else None)
+            if choice is None:
                 return None
-            path = self.root / step_name(step)
+            if isinstance(choice, str):
+                if self.rank == 0:
+                    raise ResumeRefusedError(choice)
+                raise FollowerError(USAGE, choice)
+            path = self.root / step_name(choice)
             t0 = time.perf_counter()
             error: Exception | None = None
             try:
@@ -291,14 +337,17 @@ class CheckpointManager:
             if self._all_ok(error is None):
                 nbytes = int(read_manifest(path)["bytes"])
                 log.info("loaded checkpoint %s in %.3fs (%d bytes)", path, time.perf_counter() - t0, nbytes)
+                if self.rank == 0:
+                    for name in rejected:
+                        quarantine(self.root / name)
                 return path, state
             if self.rank == 0:
                 log.warning(
-                    "checkpoint %s could not be loaded (%s); falling back to the previous checkpoint",
+                    "checkpoint %s could not be loaded (%s); trying the previous checkpoint",
                     path,
                     error or "failed on another rank",
                 )
-            rejected.add(path.name)
+                rejected[path.name] = f"{path}: {error or 'failed to load on another rank'}"
 
 
 # ------------------------------------------------------------- single process

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def _clean(value: Any) -> Any:
@@ -18,12 +22,33 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
 class MetricsWriter:
     """Appends one JSON object per record; a no-op on ranks other than 0."""
 
     def __init__(self, run_dir: str | Path, enabled: bool = True) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
+
+    def truncate_after(self, step: int) -> int:
+        """Drop the records of steps after ``step`` (trained again after a resume); returns how many."""
+        if not self.enabled or not self.path.exists():
+            return 0
+        lines = self.path.read_text().splitlines(keepends=True)
+        keep = [line for line in lines if not line.strip() or _step(line) <= step]
+        dropped = len(lines) - len(keep)
+        if dropped:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(keep))
+            os.replace(tmp, self.path)
+            log.info("metrics.jsonl: dropped %d records after step %d (they are trained again)", dropped, step)
+        return dropped
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` as one line."""

@@ -23,11 +23,13 @@ from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.stack import TrainingStack
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
-from moeforge.train.checkpoint_store import checkpoints_dir, step_name
+from moeforge.train.checkpoint_store import checkpoints_dir, complete_checkpoints, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
-from moeforge.train.metrics import MetricsWriter
+from moeforge.train.metrics import MetricsWriter, read_metrics
+from moeforge.train.run_lock import RunLock, acquire_run_lock
 from moeforge.train.schedule import lr_at
+from moeforge.train.step_guard import guarded_step
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,15 @@ class Trainer:
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         self.run_dir = Path(cfg.train.run_dir)
+        self.lock: RunLock | None = acquire_run_lock(self.run_dir, self.mesh)  # one job per run dir
+        try:
+            self._build()
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         self.meta: DataMeta = ensure_data(cfg, self.mesh)
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = self.meta.vocab_size
@@ -117,6 +128,7 @@ class Trainer:
         self.tokens_seen = 0
         self.consecutive_skips = 0
         self.skipped_steps = 0
+        self.save_deferred = False  # a save fell due during a non-finite streak
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
         self.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         # creating the manager is collective (async save makes its own group): every rank, same point
@@ -157,9 +169,8 @@ class Trainer:
         values = packed.cpu()
         loss, lm, aux, z = (values[:4] / mesh.dp).tolist()
         loads = values[4:].view(load.sum.shape)
-        finite = math.isfinite(float(grad_norm)) and math.isfinite(loss)
-        if finite:
-            stack.step()
+        # non-finite loss, gradient or update: skipped (the first two are already global values)
+        finite = guarded_step(stack, model, mesh, float(grad_norm), loss)
         stack.zero_grad()
         if finite:
             counts = load.expert_counts(loads).to(self.device)
@@ -233,6 +244,7 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the current step (all ranks); the final step's save is waited for even when async."""
         self._debug_kill_if_due()
+        self.save_deferred = False
         self.checkpointer.save(self.step, self.model, self.stack, self.trainer_state())
         if self.step >= self.cfg.train.max_steps:
             self.checkpointer.wait()
@@ -240,7 +252,7 @@ class Trainer:
 
     def maybe_resume(self) -> bool:
         """Load the newest complete checkpoint of the run dir, if any (all ranks load the same one)."""
-        found = self.checkpointer.resume(self.model, self.stack, self.trainer_state())
+        found = self.checkpointer.resume(self.model, self.stack, self.trainer_state(), self.cfg.train.resume)
         if found is None:
             return False
         path, state = found
@@ -254,14 +266,29 @@ class Trainer:
 
     # -------------------------------------------------------------------- fit
 
+    def close(self, failed: bool = False) -> None:
+        """Release the run directory's lock (rank 0; idempotent); ``failed`` also removes a run dir left empty."""
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release(remove_empty_dir=failed)
+
     def fit(self) -> dict[str, Any]:
-        """Train to ``train.max_steps``; returns the last step and validation metrics."""
+        """Train to ``train.max_steps``; returns the last step and validation metrics. Releases the lock."""
+        try:
+            result = self._fit()
+        except BaseException:
+            self.close(failed=True)
+            raise
+        self.close()
+        return result
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
+        self.maybe_resume()  # validated before anything in the run dir changes (docs/checkpoints.md)
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
+            self.metrics.truncate_after(self.step)  # steps past the checkpoint are trained again
         barrier(self.mesh)
-        self.maybe_resume()
         tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         bar = None
         if self.is_main and cfg.logging.progress:
@@ -294,12 +321,9 @@ class Trainer:
                 log.info("step %d: val_loss %.4f val_bpb %.4f", self.step, record["val_loss"], record["val_bpb"])
             self.metrics.write(record)
             if result.skipped:
-                log.warning("step %d: non-finite gradient norm, update skipped", self.step)
-                if self.consecutive_skips >= cfg.train.max_consecutive_skips:
-                    raise TrainingError(
-                        f"{self.consecutive_skips} consecutive steps had non-finite gradients; stopping. "
-                        "The last good checkpoint is untouched; lower optim.lr or check the data."
-                    )
+                log.warning("step %d: non-finite loss, gradient or update; step counted as skipped", self.step)
+                if self.consecutive_skips >= cfg.train.max_consecutive_skips or is_last:
+                    raise TrainingError(streak_message(self.consecutive_skips, self.run_dir, is_last))
             last = record
             if bar is not None:
                 bar.update(1)
@@ -311,12 +335,27 @@ class Trainer:
                 )
             elif self.is_main and cfg.train.log_every and self.step % cfg.train.log_every == 0:
                 log.info("%s", step_summary(record))
-            if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or is_last:
-                self.save()
+            if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or is_last or self.save_deferred:
+                self.save_when_healthy()
         if bar is not None:
             bar.close()
         self.checkpointer.wait()
-        return last
+        return last or self.finished_record()
+
+    def save_when_healthy(self) -> None:
+        """Save now, or, during a non-finite streak, at the first healthy step (the last good checkpoint stays)."""
+        if self.consecutive_skips == 0:
+            self.save()
+            return
+        self.save_deferred = True
+        log.warning("step %d: not saving during a non-finite streak; the last checkpoint is kept", self.step)
+
+    def finished_record(self) -> dict[str, Any]:
+        """What ``fit`` returns when the run had already reached ``train.max_steps``: the last logged step."""
+        logged = [r for r in read_metrics(self.run_dir) if r.get("step") == self.step] if self.is_main else []
+        record = {**(logged[-1] if logged else {}), "step": self.step, **self.evaluate()}
+        log.info("%s already reached train.max_steps=%d; nothing to train", self.run_dir, self.cfg.train.max_steps)
+        return record
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         """Generate text from ``prompt`` (every rank must call it; all draw the same tokens)."""
@@ -328,6 +367,17 @@ class Trainer:
         with self._autocast():
             out = generate(self.model, ids, max_new_tokens, seed=self.cfg.train.seed)
         return tok.decode(out[0].tolist())
+
+
+def streak_message(skips: int, run_dir: Path, at_end: bool) -> str:
+    """The one line of a run stopped by non-finite steps."""
+    done = complete_checkpoints(run_dir)
+    kept = f"the last good checkpoint {done[-1]} is untouched" if done else "no checkpoint was written"
+    where = "training ended during a streak of" if at_end else "stopping after"
+    return (
+        f"{where} {skips} consecutive non-finite steps (loss, gradient or update), not saved; {kept}. "
+        "Lower optim.lr or check the data."
+    )
 
 
 def step_summary(record: dict[str, Any]) -> str:
