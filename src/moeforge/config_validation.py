@@ -5,12 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moeforge.errors import USAGE
+
 if TYPE_CHECKING:
     from moeforge.config import Config
 
 
 class ConfigError(ValueError):
     """A configuration or command-line mistake; the message names the field and the fix."""
+
+    exit_code = USAGE
 
 
 def _check(cond: bool, name: str, msg: str) -> None:

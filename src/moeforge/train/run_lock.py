@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moeforge.config import ConfigError
+from moeforge.errors import USAGE
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.train.collective import rank0_decides
 
@@ -33,6 +34,8 @@ LOCK_FILE = ".lock"
 
 class RunLockedError(RuntimeError):
     """The run directory is in use by another job; the message names the holder."""
+
+    exit_code = USAGE
 
 
 @dataclass

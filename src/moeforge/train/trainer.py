@@ -17,6 +17,7 @@ from torch import Tensor
 
 from moeforge.config import Config, ConfigError, save_config
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
+from moeforge.errors import TRAINING
 from moeforge.model import MoETransformer, build_model
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.parallelize import build_stack
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. too many consecutive non-finite steps)."""
+
+    exit_code = TRAINING
 
 
 @dataclass
