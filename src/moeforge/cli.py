@@ -1,4 +1,4 @@
-"""``moeforge <command>``: train, prepare, generate, plan, bench."""
+"""``moeforge <command>``: train, prepare, generate, convert, report, plan, bench."""
 
 from __future__ import annotations
 
@@ -102,6 +102,32 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Write the HTML report of a run directory (plots, config, environment)."""
+    from moeforge.report import NoMetricsError, write_report
+
+    if overrides:
+        return _fail(f"report: unexpected arguments {overrides}")
+    try:
+        page = write_report(args.run_dir, args.out)
+    except NoMetricsError as e:
+        return _fail(f"report: {e}")
+    sys.stdout.write(f"wrote {page}\n")
+    return 0
+
+
+def _add_report_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="one self-contained HTML page of a run: loss, throughput, lr, grad norm, expert load, config",
+        description="Write OUT/index.html (plots embedded) and OUT/summary.json from RUN_DIR's metrics.jsonl, "
+        "config.yaml and env.json.",
+    )
+    p.add_argument("run_dir", help="a run directory written by `moeforge train`")
+    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
+    p.set_defaults(func=cmd_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
     parser = argparse.ArgumentParser(prog="moeforge", description=__doc__)
@@ -147,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML config for the new run (--to run)")
     p.set_defaults(func=cmd_convert)
 
+    _add_report_command(sub)
     _add_bench_commands(sub)
     return parser
 
