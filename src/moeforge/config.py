@@ -144,6 +144,9 @@ class LoggingConfig:
 
     progress: bool = True
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    tensorboard: bool = False
+    wandb: Literal["off", "offline", "online"] = "off"
+    wandb_project: str = "moeforge"
 
 
 @dataclass
@@ -176,6 +179,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     origin = get_origin(tp)
     if origin is Literal:
         allowed = get_args(tp)
+        if isinstance(value, bool) and ("on" if value else "off") in allowed:
+            value = "on" if value else "off"  # YAML reads a bare off/on as a bool
         if value not in allowed:
             raise ConfigError(f"{name}: must be one of {list(allowed)}, got {value!r}")
         return value

@@ -116,7 +116,7 @@ class Trainer:
         self.tokens_seen = 0
         self.consecutive_skips = 0
         self.skipped_steps = 0
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
+        self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
         self.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         # creating the manager is collective (async save makes its own group): every rank, same point
         self.checkpointer = CheckpointManager(self.run_dir, cfg.train.keep_last, cfg.train.async_save, self.device)
@@ -313,6 +313,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         self.checkpointer.wait()
+        self.metrics.close()
         return last
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
