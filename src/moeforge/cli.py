@@ -14,6 +14,9 @@ log = logging.getLogger("moeforge")
 
 USAGE_ERROR = 2
 
+#: ``moeforge convert --to hf --flavor`` choices (the keys of moeforge.interop.hf_config.ARCHITECTURES).
+HF_FLAVORS = ["olmoe", "qwen3_moe", "mixtral", "qwen2_moe"]
+
 
 def _setup_logging(level: str = "INFO") -> None:
     rank = int(os.environ.get("RANK", "0"))
@@ -88,7 +91,7 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.to != "run" and (overrides or args.config):
         return _fail(f"convert --to {args.to}: --config and overrides only apply to --to run")
     if args.to == "hf" and args.flavor is None:
-        return _fail("convert --to hf: pass --flavor olmoe or --flavor qwen3_moe")
+        return _fail(f"convert --to hf: pass --flavor, one of {', '.join(HF_FLAVORS)}")
     try:
         if args.to == "hf":
             out = run_to_hf(args.src, args.dst, args.flavor)
@@ -169,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="a run directory (--to hf|safetensors) or a Hugging Face directory (--to run)")
     p.add_argument("dst", help="output directory or file")
     p.add_argument("--to", required=True, choices=["hf", "safetensors", "run"])
-    p.add_argument("--flavor", choices=["olmoe", "qwen3_moe"], default=None, help="Hugging Face layout (--to hf)")
+    p.add_argument("--flavor", choices=HF_FLAVORS, default=None, help="Hugging Face layout (--to hf)")
     p.add_argument("--config", default=None, help="YAML config for the new run (--to run)")
     p.set_defaults(func=cmd_convert)
 

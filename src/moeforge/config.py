@@ -36,6 +36,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     jitter_eps: float = 0.0
     shared_expert_hidden: int = 0
+    shared_expert_gate: bool = False
     dispatcher: Literal["local", "alltoall", "rowwise"] = "alltoall"
     capacity_factor: float = 1.25
     expert_impl: Literal["grouped", "loop"] = "grouped"
@@ -54,6 +55,7 @@ class ModelConfig:
     head_dim: int = 0  # 0: d_model // n_heads
     rope_theta: float = 10000.0
     qk_norm: Literal["none", "full", "per_head"] = "none"
+    attn_bias: bool = False
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dense_layers: list[int] = field(default_factory=list)

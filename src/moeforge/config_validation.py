@@ -70,6 +70,11 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _check(getattr(moe, name) >= 0, f"model.moe.{name}", "must be >= 0")
     _check(moe.capacity_factor > 0, "model.moe.capacity_factor", "must be > 0")
     _check(moe.shared_expert_hidden >= 0, "model.moe.shared_expert_hidden", "must be >= 0")
+    _check(
+        not moe.shared_expert_gate or moe.shared_expert_hidden > 0,
+        "model.moe.shared_expert_gate",
+        "needs a shared expert: set model.moe.shared_expert_hidden > 0",
+    )
     if moe.expert_impl == "grouped" and cfg.train.precision == "bf16":
         for name, value in (("model.d_model", m.d_model), ("model.moe.expert_hidden", moe.expert_hidden)):
             _check(
