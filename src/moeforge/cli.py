@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a model",
         description="Train from CONFIG; override any field with --section.field=value, "
         "e.g. --model.moe.num_experts=16 --train.max_steps=100 --train.run_dir=runs/x. "
-        "Sections: model, model.moe, data, optim, train, parallel, logging.",
+        "Sections: model, model.moe, data, optim, train, parallel, logging. "
+        "Every field, its type, default and meaning: docs/config.md.",
     )
     p.add_argument("config", help="YAML config file, e.g. configs/shakespeare.yaml")
     p.set_defaults(func=cmd_train)
