@@ -193,7 +193,7 @@ def _config_dict(model) -> dict:
     [
         ("olmoe", dict(attention_bias=True), "attention_bias"),
         ("olmoe", dict(clip_qkv=8.0), "clip_qkv"),
-        ("olmoe", dict(model_type="mixtral"), "model_type"),
+        ("olmoe", dict(model_type="deepseek_v3"), "model_type"),
         ("qwen3", dict(use_sliding_window=True), "use_sliding_window"),
         ("qwen3", dict(hidden_act="gelu"), "hidden_act"),
         ("qwen3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "rope_type"),
@@ -270,7 +270,7 @@ def test_to_hf_rejects_what_the_layout_cannot_express(tmp_path):
     with pytest.raises(ValueError, match=r"model\.qk_norm"):
         to_hf(qwen_like, tmp_path, "olmoe")
     with pytest.raises(ValueError, match="flavor"):
-        to_hf(qwen_like, tmp_path, "mixtral")
+        to_hf(qwen_like, tmp_path, "deepseek_v3")
     biased = _moeforge_model("olmoe", seed=0)
     biased.cfg.moe.bias_update_rate = 1e-3
     biased.moe_layers()[1].router.expert_bias[3] = 0.5

@@ -1,4 +1,4 @@
-"""``moeforge <command>``: train, prepare, generate, plan, bench."""
+"""``moeforge <command>``: train, prepare, generate, convert, report, plan, bench."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from moeforge.errors import EXIT_CODES_HELP, USAGE, classify
 log = logging.getLogger("moeforge")
 
 USAGE_ERROR = USAGE
+
+#: ``moeforge convert --to hf --flavor`` choices (the keys of moeforge.interop.hf_config.ARCHITECTURES).
+HF_FLAVORS = ["olmoe", "qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -101,7 +104,7 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.to != "run" and (overrides or args.config):
         return _fail(f"convert --to {args.to}: --config and overrides only apply to --to run")
     if args.to == "hf" and args.flavor is None:
-        return _fail("convert --to hf: pass --flavor olmoe or --flavor qwen3_moe")
+        return _fail(f"convert --to hf: pass --flavor, one of {', '.join(HF_FLAVORS)}")
     try:
         if args.to == "hf":
             out = run_to_hf(args.src, args.dst, args.flavor)
@@ -117,6 +120,32 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Write the HTML report of a run directory (plots, config, environment)."""
+    from moeforge.report import NoMetricsError, write_report
+
+    if overrides:
+        return _fail(f"report: unexpected arguments {overrides}")
+    try:
+        page = write_report(args.run_dir, args.out)
+    except NoMetricsError as e:
+        return _fail(f"report: {e}")
+    sys.stdout.write(f"wrote {page}\n")
+    return 0
+
+
+def _add_report_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="one self-contained HTML page of a run: loss, throughput, lr, grad norm, expert load, config",
+        description="Write OUT/index.html (plots embedded) and OUT/summary.json from RUN_DIR's metrics.jsonl, "
+        "config.yaml and env.json.",
+    )
+    p.add_argument("run_dir", help="a run directory written by `moeforge train`")
+    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
+    p.set_defaults(func=cmd_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
     parser = argparse.ArgumentParser(prog="moeforge", description=__doc__, epilog=EXIT_CODES_HELP)
@@ -129,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. --model.moe.num_experts=16 --train.max_steps=100 --train.run_dir=runs/x. "
         "Sections: model, model.moe, data, optim, train, parallel, logging. "
         "With --nproc-per-node, moeforge validates the config once and starts the workers itself "
-        "(torch's elastic launcher; see docs/launch.md).",
+        "(torch's elastic launcher; see docs/launch.md). "
+        "Every field, its type, default and meaning: docs/config.md.",
         epilog=EXIT_CODES_HELP,
     )
     p.add_argument("config", help="YAML config file, e.g. configs/shakespeare.yaml")
@@ -169,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="a run directory (--to hf|safetensors) or a Hugging Face directory (--to run)")
     p.add_argument("dst", help="output directory or file")
     p.add_argument("--to", required=True, choices=["hf", "safetensors", "run"])
-    p.add_argument("--flavor", choices=["olmoe", "qwen3_moe"], default=None, help="Hugging Face layout (--to hf)")
+    p.add_argument("--flavor", choices=HF_FLAVORS, default=None, help="Hugging Face layout (--to hf)")
     p.add_argument("--config", default=None, help="YAML config for the new run (--to run)")
     p.set_defaults(func=cmd_convert)
 
+    _add_report_command(sub)
     _add_bench_commands(sub)
     return parser
 

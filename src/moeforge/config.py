@@ -25,43 +25,45 @@ __all__ = ["Config", "ConfigError", "load_config", "save_config", "validate_conf
 class MoEConfig:
     """Mixture-of-experts feed-forward settings."""
 
-    num_experts: int = 8
-    top_k: int = 2
-    expert_hidden: int = 512
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    norm_topk_prob: bool = False
-    n_groups: int = 1
-    topk_groups: int = 1
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
-    bias_update_rate: float = 0.0
-    jitter_eps: float = 0.0
-    shared_expert_hidden: int = 0
-    dispatcher: Literal["local", "alltoall", "rowwise"] = "alltoall"
-    capacity_factor: float = 1.25
-    expert_impl: Literal["grouped", "loop"] = "grouped"
-    random_routing: bool = False
+    num_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # experts each token is routed to
+    expert_hidden: int = 512  # hidden width of one expert's SwiGLU
+    score_func: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts or per-expert sigmoid
+    norm_topk_prob: bool = False  # renormalise the top-k scores to sum to 1 (Mixtral, some Qwen)
+    n_groups: int = 1  # expert groups for group-limited routing (1: off)
+    topk_groups: int = 1  # groups a token may pick its experts from (group-limited routing)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss E * sum_i f_i * P_i
+    z_loss_coef: float = 0.001  # weight of the router z-loss (mean squared logsumexp of the logits)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing: step of the per-expert selection bias (0: off)
+    jitter_eps: float = 0.0  # training only: scale router inputs by U(1 - eps, 1 + eps) (0: off)
+    shared_expert_hidden: int = 0  # hidden width of a shared expert every token goes through (0: none)
+    shared_expert_gate: bool = False  # scale the shared expert per token by sigmoid(Linear(d_model, 1)) (Qwen2-MoE)
+    dispatcher: Literal["local", "alltoall", "rowwise"] = "alltoall"  # how tokens reach experts on other ep ranks
+    capacity_factor: float = 1.25  # rowwise: receive-buffer rows per rank as a multiple of the balanced load
+    expert_impl: Literal["grouped", "loop"] = "grouped"  # grouped GEMM over all experts, or a loop per expert
+    random_routing: bool = False  # TEST/BENCH ONLY: route uniformly at random (perfect balance on average)
 
 
 @dataclass
 class ModelConfig:
-    """Decoder-only MoE transformer (OLMoE / Qwen3-MoE family)."""
+    """Decoder-only MoE transformer (OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE family)."""
 
     vocab_size: int = 0  # 0: taken from the prepared data's tokenizer
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
+    d_model: int = 256  # residual stream width
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # attention (query) heads
     n_kv_heads: int = 0  # 0: same as n_heads
     head_dim: int = 0  # 0: d_model // n_heads
-    rope_theta: float = 10000.0
-    qk_norm: Literal["none", "full", "per_head"] = "none"
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    dense_layers: list[int] = field(default_factory=list)
-    dense_hidden: int = 1024
-    max_seq_len: int = 4096
-    init_std: float = 0.02
-    moe: MoEConfig = field(default_factory=MoEConfig)
+    rope_theta: float = 10000.0  # RoPE base
+    qk_norm: Literal["none", "full", "per_head"] = "none"  # RMSNorm of q and k: whole projection (OLMoE) or per head
+    attn_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # share the input embedding and the output projection
+    dense_layers: list[int] = field(default_factory=list)  # layer indices with a dense SwiGLU instead of MoE
+    dense_hidden: int = 1024  # hidden width of the dense layers' SwiGLU
+    max_seq_len: int = 4096  # longest sequence: data.seq_len must fit, generation stops here
+    init_std: float = 0.02  # std of the normal init; output projections get init_std / sqrt(2 * n_layers)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # the MoE feed-forward (section model.moe)
 
     @property
     def kv_heads(self) -> int:
@@ -78,27 +80,27 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from. Empty ``sources`` means the embedded Shakespeare corpus."""
 
-    sources: list[str] = field(default_factory=list)
-    data_dir: str = "data/shakespeare"
+    sources: list[str] = field(default_factory=list)  # text files (one document each) or JSONL with a "text" field
+    data_dir: str = "data/shakespeare"  # where the tokenised memmaps and tokenizer live
     tokenizer: str = ""  # path to a tokenizer.json; empty: train a byte-level BPE
-    bpe_vocab_size: int = 4096
-    seq_len: int = 256
-    val_fraction: float = 0.05
+    bpe_vocab_size: int = 4096  # vocabulary of the trained byte-level BPE
+    seq_len: int = 256  # tokens per training sequence
+    val_fraction: float = 0.05  # fraction of documents held out for validation
 
 
 @dataclass
 class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
-    lr: float = 3e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
+    lr: float = 3e-3  # peak learning rate
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # decoupled weight decay (matrices only; norms, biases and embeddings are not decayed)
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0: no clipping)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # after warmup: cosine, warmup-stable-decay, constant
+    warmup_steps: int = 20  # linear warmup steps
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine and wsd)
     decay_fraction: float = 0.2  # wsd: final fraction of steps spent decaying
 
 
@@ -106,28 +108,25 @@ class OptimConfig:
 class TrainConfig:
     """The training loop."""
 
-    max_steps: int = 200
+    max_steps: int = 200  # optimizer steps to train
     global_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
-    seed: int = 0
+    seed: int = 0  # seed of the init, the data order and sampling
     precision: Literal["fp32", "bf16"] = "fp32"  # compute: bf16 runs the model under bf16 autocast
-    param_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 parameters, fp32 masters sharded in the optimizer
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"  # see docs/memory.md
-    run_dir: str = "runs/default"
+    param_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights, fp32 masters sharded in the optimizer
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute blocks (docs/memory.md)
+    run_dir: str = "runs/default"  # config.yaml, metrics.jsonl, checkpoints and trackers go here
     save_every: int = 0  # 0: only at the end
-    keep_last: int = 2
-    # auto: resume from the newest loadable checkpoint, start fresh when there is none, stop when
-    # checkpoints exist but none loads; never: start fresh, refusing a run dir that has checkpoints;
-    # require: stop unless a checkpoint loads (docs/checkpoints.md)
-    resume: Literal["auto", "never", "require"] = "auto"
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
+    resume: Literal["auto", "never", "require"] = "auto"  # when checkpoints exist (docs/checkpoints.md)
     async_save: bool = False  # snapshot to CPU, write the checkpoint in a background thread
     debug_kill_at_step: int = 0  # TEST ONLY: SIGKILL the last rank at its first save at/after this step, once
     eval_every: int = 0  # 0: only at the end
-    eval_batches: int = 8
-    log_every: int = 10
-    sample_prompt: str = ""
-    sample_tokens: int = 80
-    max_consecutive_skips: int = 5
+    eval_batches: int = 8  # validation batches of micro_batch_size sequences per evaluation
+    log_every: int = 10  # console summary every N steps when the progress bar is off (0: never)
+    sample_prompt: str = ""  # text to continue after training (empty: no sample)
+    sample_tokens: int = 80  # tokens to sample after training
+    max_consecutive_skips: int = 5  # stop after this many steps in a row with a non-finite gradient
 
 
 @dataclass
@@ -135,36 +134,39 @@ class ParallelConfig:
     """How the model is laid out over processes (one DeviceMesh)."""
 
     dp: int = 0  # 0: world / (pp * tp * cp)
-    ep: int = 1
-    pp: int = 1
-    tp: int = 1
-    cp: int = 1
-    stack: Literal["ddp", "fsdp"] = "ddp"
-    overlap_grad_reduce: bool = True
-    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # precision of the gradient buffers and their reduction
-    fsdp_reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (the last block keeps them)
-    bucket_size_mb: float = 25.0
-    timeout_s: float = 600.0
+    ep: int = 1  # expert-parallel degree: experts are split over this many ranks of dp
+    pp: int = 1  # pipeline-parallel degree (only 1 is implemented)
+    tp: int = 1  # tensor-parallel degree (only 1 is implemented)
+    cp: int = 1  # context-parallel degree (only 1 is implemented)
+    stack: Literal["ddp", "fsdp"] = "ddp"  # expert-resident DDP with a distributed optimizer, or FSDP2
+    overlap_grad_reduce: bool = True  # ddp: reduce gradient buckets during the backward pass
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient buffers and their reduction (both stacks)
+    fsdp_reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (last block keeps them)
+    bucket_size_mb: float = 25.0  # ddp: gradient bucket size
+    timeout_s: float = 600.0  # collective timeout of the process groups
 
 
 @dataclass
 class LoggingConfig:
     """Console and metrics output."""
 
-    progress: bool = True
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    progress: bool = True  # tqdm progress bar on rank 0
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # log level of rank 0 (other ranks: WARNING)
+    tensorboard: bool = False  # TensorBoard event files in RUN_DIR/tensorboard (needs moeforge[tracking])
+    wandb: Literal["off", "offline", "online"] = "off"  # Weights & Biases run in RUN_DIR/wandb (moeforge[tracking])
+    wandb_project: str = "moeforge"  # W&B project name
 
 
 @dataclass
 class Config:
     """The whole run."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the network
+    data: DataConfig = field(default_factory=DataConfig)  # the corpus and its tokenisation
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and schedule
+    train: TrainConfig = field(default_factory=TrainConfig)  # the loop, checkpoints, evaluation
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the process layout
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # console, trackers
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (for YAML/JSON)."""
@@ -185,6 +187,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     origin = get_origin(tp)
     if origin is Literal:
         allowed = get_args(tp)
+        if isinstance(value, bool) and ("on" if value else "off") in allowed:
+            value = "on" if value else "off"  # YAML reads a bare off/on as a bool
         if value not in allowed:
             raise ConfigError(f"{name}: must be one of {list(allowed)}, got {value!r}")
         return value

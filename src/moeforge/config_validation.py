@@ -83,6 +83,11 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _check(getattr(moe, name) >= 0, f"model.moe.{name}", "must be >= 0")
     _check(moe.capacity_factor > 0, "model.moe.capacity_factor", "must be > 0")
     _check(moe.shared_expert_hidden >= 0, "model.moe.shared_expert_hidden", "must be >= 0")
+    _check(
+        not moe.shared_expert_gate or moe.shared_expert_hidden > 0,
+        "model.moe.shared_expert_gate",
+        "needs a shared expert: set model.moe.shared_expert_hidden > 0",
+    )
     if cfg.train.param_dtype == "bf16":
         _check(
             cfg.train.precision == "bf16",

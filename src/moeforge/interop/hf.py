@@ -1,4 +1,4 @@
-"""Import and export Hugging Face ``transformers`` checkpoints of OLMoE and Qwen3-MoE.
+"""Import and export Hugging Face ``transformers`` checkpoints of OLMoE, Qwen3-MoE, Mixtral and Qwen2-MoE.
 
 ``from_hf(path)`` reads ``config.json`` and the safetensors files (one file or
 shards listed by ``model.safetensors.index.json``) straight from disk, with no
@@ -6,13 +6,16 @@ network and no ``transformers`` import, and returns a :class:`MoETransformer`.
 Expert weights are accepted in both layouts Hugging Face uses:
 
 - per expert (what ``save_pretrained`` writes and hub checkpoints hold):
-  ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``;
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``, or Mixtral's
+  ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (gate/up/down) with ``block_sparse_moe.gate``;
 - fused (the in-memory layout of transformers >= 5): ``mlp.experts.gate_up_proj``
   ``(E, 2F, D)`` and ``mlp.experts.down_proj`` ``(E, D, F)``, also transposed.
 
 moeforge fuses them as ``w1 = cat(gate, up)`` ``(E, 2F, D)`` and ``w2`` ``(E, D, F)``.
-``to_hf(model, out_dir, flavor)`` writes the per-expert layout, which every
-``transformers`` version with these models loads with ``from_pretrained``.
+``to_hf(model, out_dir, flavor)`` writes the per-expert layout of the flavor (Mixtral's
+``block_sparse_moe`` names for 'mixtral'), which every ``transformers`` version with these
+models loads with ``from_pretrained``. Qwen2-MoE's shared expert and its sigmoid gate map to
+``mlp.shared_expert`` / ``mlp.shared_expert_gate`` and its q/k/v biases to ``model.attn_bias``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from moeforge.model import MoETransformer
 logger = logging.getLogger(__name__)
 
 _INDEX = "model.safetensors.index.json"
-_EXPERT_KEY = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KEY = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+#: Mixtral's per-expert names -> the gate/up/down names.
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
@@ -65,7 +70,8 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
 
 
 def _strip_prefix(key: str) -> str:
-    return key[len("model.") :] if key.startswith("model.") else key
+    key = key[len("model.") :] if key.startswith("model.") else key
+    return key.replace(".block_sparse_moe.", ".mlp.")  # Mixtral
 
 
 def _fused_expert_weight(t: Tensor, rows: int, cols: int, name: str) -> Tensor:
@@ -78,7 +84,7 @@ def _fused_expert_weight(t: Tensor, rows: int, cols: int, name: str) -> Tensor:
 
 
 def hf_to_moeforge_state_dict(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Rename a Hugging Face OLMoE/Qwen3-MoE state dict to moeforge keys, fusing the experts."""
+    """Rename a Hugging Face state dict (any flavor of :mod:`hf_config`) to moeforge keys, fusing the experts."""
     out: dict[str, Tensor] = {}
     per_expert: dict[tuple[int, str], dict[int, Tensor]] = {}
     F, D = cfg.moe.expert_hidden, cfg.d_model
@@ -88,7 +94,8 @@ def hf_to_moeforge_state_dict(tensors: dict[str, Tensor], cfg: ModelConfig) -> d
             continue
         m = _EXPERT_KEY.match(key)
         if m:
-            per_expert.setdefault((int(m[1]), m[3]), {})[int(m[2])] = t
+            proj = _MIXTRAL_PROJ.get(m[3], m[3])
+            per_expert.setdefault((int(m[1]), proj), {})[int(m[2])] = t
         elif key.endswith(".mlp.experts.gate_up_proj"):
             out[key.replace("gate_up_proj", "w1")] = _fused_expert_weight(t, 2 * F, D, raw_key)
         elif key.endswith(".mlp.experts.down_proj"):
@@ -116,7 +123,7 @@ def hf_to_moeforge_state_dict(tensors: dict[str, Tensor], cfg: ModelConfig) -> d
 
 
 def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransformer:
-    """Load an ``OlmoeForCausalLM`` or ``Qwen3MoeForCausalLM`` checkpoint directory into moeforge."""
+    """Load an OLMoE, Qwen3-MoE, Mixtral or Qwen2-MoE (``*ForCausalLM``) checkpoint directory into moeforge."""
     config, tensors = read_hf_checkpoint(path)
     cfg = config_from_hf(config)
     state = hf_to_moeforge_state_dict(tensors, cfg)
@@ -127,10 +134,12 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransfor
     return model
 
 
-def moeforge_to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Rename a (full, non-DTensor) moeforge state dict to Hugging Face keys, per-expert layout."""
+def moeforge_to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig, flavor: str = "olmoe") -> dict[str, Tensor]:
+    """Rename a (full, non-DTensor) moeforge state dict to Hugging Face keys, per-expert layout of ``flavor``."""
     out: dict[str, Tensor] = {}
     F = cfg.moe.expert_hidden
+    mixtral = flavor == "mixtral"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for key, t in state.items():
         if key.endswith("router.expert_bias"):
             continue
@@ -140,24 +149,30 @@ def moeforge_to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dic
         elif key.endswith(".mlp.experts.w1"):
             prefix = "model." + key[: -len("w1")]
             for e in range(t.shape[0]):
-                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :F]
-                out[f"{prefix}{e}.up_proj.weight"] = t[e, F:]
+                out[f"{prefix}{e}.{gate}.weight"] = t[e, :F]
+                out[f"{prefix}{e}.{up}.weight"] = t[e, F:]
         elif key.endswith(".mlp.experts.w2"):
             prefix = "model." + key[: -len("w2")]
             for e in range(t.shape[0]):
-                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+                out[f"{prefix}{e}.{down}.weight"] = t[e]
         elif key.endswith(".mlp.router.weight"):
             out["model." + key.replace(".mlp.router.", ".mlp.gate.")] = t
         else:
             out["model." + key] = t
+    if mixtral:
+        out = {
+            k.replace(".mlp.experts.", ".block_sparse_moe.experts.").replace(".mlp.gate.", ".block_sparse_moe.gate."): v
+            for k, v in out.items()
+        }
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
 def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str, writer: bool = True) -> Path:
     """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
 
-    ``flavor`` is 'olmoe' or 'qwen3_moe'. With DTensor (expert-parallel) parameters call it on
-    every rank (the full tensors are gathered collectively) with ``writer=True`` on rank 0 only.
+    ``flavor`` is 'olmoe', 'qwen3_moe', 'mixtral' or 'qwen2_moe'. With DTensor (expert-parallel)
+    parameters call it on every rank (the full tensors are gathered collectively) with
+    ``writer=True`` on rank 0 only.
     """
     cfg = model.cfg
     hf_config = config_to_hf(cfg, flavor)
@@ -169,7 +184,7 @@ def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str, writer: bool 
                 f"to_hf: {biased[0]} is non-zero (model.moe.bias_update_rate > 0): Hugging Face routers "
                 "have no selection bias, so the exported model would route differently"
             )
-    tensors = moeforge_to_hf_state_dict(state, cfg)
+    tensors = moeforge_to_hf_state_dict(state, cfg, flavor)
     dtype = str(state["embed_tokens.weight"].dtype).removeprefix("torch.")
     hf_config["dtype"] = hf_config["torch_dtype"] = dtype
     out = Path(out_dir)

@@ -1,7 +1,7 @@
-"""Map Hugging Face ``config.json`` of OLMoE / Qwen3-MoE to :class:`ModelConfig` and back.
+"""Map Hugging Face ``config.json`` of OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE to :class:`ModelConfig` and back.
 
 Only what moeforge computes identically is accepted: a field that would change
-the forward pass in a way moeforge does not implement (attention bias, QKV
+the forward pass in a way moeforge does not implement (OLMoE's attention bias, QKV
 clipping, sliding windows, scaled RoPE, a non-SiLU activation, ...) raises one
 ``ValueError`` naming the field. Training-only settings that a Hugging Face
 config does not carry (z-loss, dispatcher, ...) keep moeforge's defaults.
@@ -14,7 +14,15 @@ from typing import Any
 from moeforge.config import ModelConfig, MoEConfig
 
 #: Hugging Face ``model_type`` -> the architecture name written into ``config.json``.
-ARCHITECTURES: dict[str, str] = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES: dict[str, str] = {
+    "olmoe": "OlmoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+
+#: Default ``rms_norm_eps`` of each model type when config.json omits it.
+_NORM_EPS = {"olmoe": 1e-5, "qwen3_moe": 1e-6, "mixtral": 1e-5, "qwen2_moe": 1e-6}
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:
@@ -91,7 +99,7 @@ def _dense_layers_qwen3(d: dict[str, Any], n_layers: int, num_experts: int) -> l
 
 
 def config_from_hf(hf_config: Any) -> ModelConfig:
-    """Translate an OLMoE or Qwen3-MoE config (``config.json`` dict or transformers config) to moeforge.
+    """Translate an OLMoE, Qwen3-MoE, Mixtral or Qwen2-MoE config (``config.json`` dict or config object).
 
     Raises ``ValueError`` naming the field for any feature moeforge cannot reproduce exactly.
     """
@@ -112,6 +120,7 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
     top_k = int(_require(d, "num_experts_per_tok"))
     if n_heads % n_kv:
         raise ValueError(f"config.json: num_key_value_heads ({n_kv}) must divide num_attention_heads ({n_heads})")
+    attn_bias, shared_hidden, norm_topk = False, 0, bool(d.get("norm_topk_prob", False))
     if model_type == "olmoe":
         if d_model % n_heads:
             raise _unsupported("hidden_size", d_model, f"a multiple of num_attention_heads ({n_heads})")
@@ -120,6 +129,21 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
             raise _unsupported("head_dim", d["head_dim"], head_dim)
         qk_norm, dense_layers = "full", []
         expert_hidden, dense_hidden = int(_require(d, "intermediate_size")), int(d["intermediate_size"])
+    elif model_type == "mixtral":
+        if d.get("sliding_window") is not None:
+            raise _unsupported("sliding_window", d["sliding_window"], None)
+        head_dim = int(d.get("head_dim") or d_model // n_heads)
+        qk_norm, dense_layers, norm_topk = "none", [], True  # Mixtral always renormalises the top-k
+        expert_hidden = dense_hidden = int(_require(d, "intermediate_size"))
+    elif model_type == "qwen2_moe":
+        if d.get("head_dim") not in (None, d_model // n_heads):
+            raise _unsupported("head_dim", d["head_dim"], d_model // n_heads)
+        head_dim, qk_norm = d_model // n_heads, "none"
+        attn_bias = bool(d.get("qkv_bias", True))
+        dense_layers = _dense_layers_qwen3(d, n_layers, num_experts)
+        expert_hidden = int(_require(d, "moe_intermediate_size"))
+        dense_hidden = int(d.get("intermediate_size") or expert_hidden)
+        shared_hidden = int(d.get("shared_expert_intermediate_size") or 0)
     else:
         head_dim = int(d.get("head_dim") or d_model // n_heads)
         qk_norm = "per_head"
@@ -133,8 +157,10 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         top_k=top_k,
         expert_hidden=expert_hidden,
         score_func="softmax",
-        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        norm_topk_prob=norm_topk,
         aux_loss_coef=float(d.get("router_aux_loss_coef", MoEConfig.aux_loss_coef)),
+        shared_expert_hidden=shared_hidden,
+        shared_expert_gate=shared_hidden > 0,
     )
     return ModelConfig(
         vocab_size=int(_require(d, "vocab_size")),
@@ -145,7 +171,8 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         head_dim=head_dim,
         rope_theta=_rope_theta(d),
         qk_norm=qk_norm,
-        norm_eps=float(d.get("rms_norm_eps", 1e-6 if model_type == "qwen3_moe" else 1e-5)),
+        attn_bias=attn_bias,
+        norm_eps=float(d.get("rms_norm_eps", _NORM_EPS[model_type])),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         dense_layers=dense_layers,
         dense_hidden=dense_hidden,
@@ -162,30 +189,41 @@ def _check_exportable(cfg: ModelConfig, flavor: str) -> None:
     def bad(field: str, value: Any, need: str) -> ValueError:
         return ValueError(f"to_hf(flavor={flavor!r}): {field}={value!r} cannot be exported; {need}")
 
+    if flavor not in ARCHITECTURES:
+        raise ValueError(f"to_hf: flavor must be one of {sorted(ARCHITECTURES)}, got {flavor!r}")
     if moe.score_func != "softmax":
-        raise bad("model.moe.score_func", moe.score_func, "Hugging Face OLMoE/Qwen3-MoE route by softmax")
+        raise bad("model.moe.score_func", moe.score_func, "these Hugging Face models route by softmax")
     if moe.n_groups != 1:
         raise bad("model.moe.n_groups", moe.n_groups, "group-limited routing has no Hugging Face field here")
-    if moe.shared_expert_hidden:
-        raise bad("model.moe.shared_expert_hidden", moe.shared_expert_hidden, "no shared expert here")
     if moe.random_routing:
         raise bad("model.moe.random_routing", True, "set it to false")
-    if flavor == "olmoe":
-        if cfg.qk_norm != "full":
-            raise bad("model.qk_norm", cfg.qk_norm, "OLMoE normalises the whole projection: use 'full'")
-        if cfg.dense_layers:
-            raise bad("model.dense_layers", cfg.dense_layers, "OLMoE has no dense layers; use qwen3_moe")
-        if cfg.d_model % cfg.n_heads or cfg.dim_head != cfg.d_model // cfg.n_heads:
-            raise bad("model.head_dim", cfg.dim_head, "OLMoE needs head_dim == d_model // n_heads")
-    elif flavor == "qwen3_moe":
-        if cfg.qk_norm != "per_head":
-            raise bad("model.qk_norm", cfg.qk_norm, "Qwen3-MoE normalises each head: use 'per_head'")
+    if flavor == "qwen2_moe":
+        if not (moe.shared_expert_hidden and moe.shared_expert_gate):
+            raise bad(
+                "model.moe.shared_expert_gate",
+                moe.shared_expert_gate,
+                "Qwen2-MoE has a sigmoid-gated shared expert: set shared_expert_hidden > 0 and shared_expert_gate",
+            )
+        if cfg.dim_head != cfg.d_model // cfg.n_heads:
+            raise bad("model.head_dim", cfg.dim_head, "Qwen2-MoE needs head_dim == d_model // n_heads")
     else:
-        raise ValueError(f"to_hf: flavor must be one of {sorted(ARCHITECTURES)}, got {flavor!r}")
+        if moe.shared_expert_hidden:
+            raise bad("model.moe.shared_expert_hidden", moe.shared_expert_hidden, "no shared expert; use qwen2_moe")
+        if cfg.attn_bias:
+            raise bad("model.attn_bias", True, "no attention biases; use qwen2_moe")
+    want_norm = {"olmoe": "full", "qwen3_moe": "per_head", "mixtral": "none", "qwen2_moe": "none"}[flavor]
+    if cfg.qk_norm != want_norm:
+        raise bad("model.qk_norm", cfg.qk_norm, f"{ARCHITECTURES[flavor]} needs qk_norm={want_norm!r}")
+    if flavor in ("olmoe", "mixtral") and cfg.dense_layers:
+        raise bad("model.dense_layers", cfg.dense_layers, f"{flavor} has no dense layers; use qwen3_moe or qwen2_moe")
+    if flavor == "olmoe" and (cfg.d_model % cfg.n_heads or cfg.dim_head != cfg.d_model // cfg.n_heads):
+        raise bad("model.head_dim", cfg.dim_head, "OLMoE needs head_dim == d_model // n_heads")
+    if flavor == "mixtral" and not moe.norm_topk_prob:
+        raise bad("model.moe.norm_topk_prob", False, "Mixtral renormalises the top-k probabilities: set it to true")
 
 
 def config_to_hf(cfg: ModelConfig, flavor: str) -> dict[str, Any]:
-    """The ``config.json`` dict of ``flavor`` ('olmoe' or 'qwen3_moe') for a moeforge model config."""
+    """The ``config.json`` dict of ``flavor`` (a key of :data:`ARCHITECTURES`) for a moeforge model config."""
     _check_exportable(cfg, flavor)
     moe = cfg.moe
     d: dict[str, Any] = {
@@ -216,9 +254,17 @@ def config_to_hf(cfg: ModelConfig, flavor: str) -> dict[str, Any]:
     }
     if flavor == "olmoe":
         d.update(intermediate_size=moe.expert_hidden, clip_qkv=None)
+    elif flavor == "mixtral":
+        del d["num_experts"], d["norm_topk_prob"]
+        d.update(
+            num_local_experts=moe.num_experts,
+            head_dim=cfg.dim_head,
+            intermediate_size=moe.expert_hidden,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+        )
     else:
         d.update(
-            head_dim=cfg.dim_head,
             intermediate_size=cfg.dense_hidden,
             moe_intermediate_size=moe.expert_hidden,
             decoder_sparse_step=1,
@@ -226,4 +272,8 @@ def config_to_hf(cfg: ModelConfig, flavor: str) -> dict[str, Any]:
             use_sliding_window=False,
             sliding_window=None,
         )
+        if flavor == "qwen3_moe":
+            d["head_dim"] = cfg.dim_head
+        else:
+            d.update(qkv_bias=cfg.attn_bias, shared_expert_intermediate_size=moe.shared_expert_hidden)
     return d

@@ -33,15 +33,18 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Causal GQA. ``qk_norm``: 'full' normalises the whole projection (OLMoE), 'per_head' each head (Qwen3)."""
+    """Causal GQA. ``qk_norm``: 'full' normalises the whole projection (OLMoE), 'per_head' each head (Qwen3).
+
+    ``attn_bias`` adds biases to the q/k/v projections (Qwen2-MoE)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.dim_head
-        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.hd, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
+        bias = cfg.attn_bias  # q/k/v biases (Qwen2-MoE); the output projection never has one
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=False)
         self.qk_norm = cfg.qk_norm
         self.q_norm: RMSNorm | None = None

@@ -61,12 +61,14 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) everywhere; output projections scaled by 1/sqrt(2 * n_layers); norms to 1."""
+        """Normal(0, init_std); output projections scaled by 1/sqrt(2 * n_layers); norms to 1; biases to 0."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
             elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
                 p.normal_(0.0, out_std, generator=generator)
             else:

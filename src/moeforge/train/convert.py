@@ -70,7 +70,7 @@ def load_run_model(run_dir: str | Path) -> MoETransformer:
 
 
 def run_to_hf(run_dir: str | Path, out_dir: str | Path, flavor: str) -> Path:
-    """Write the run's newest checkpoint as a Hugging Face ``flavor`` ('olmoe' or 'qwen3_moe') checkpoint."""
+    """Write the run's newest checkpoint as a Hugging Face ``flavor`` (olmoe, qwen3_moe, mixtral, qwen2_moe)."""
     from moeforge.interop.hf import to_hf
 
     return to_hf(load_run_model(run_dir), out_dir, flavor)

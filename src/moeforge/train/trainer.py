@@ -132,7 +132,7 @@ class Trainer:
         self.consecutive_skips = 0
         self.skipped_steps = 0
         self.save_deferred = False  # a save fell due during a non-finite streak
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
+        self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
         self.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         # creating the manager is collective (async save makes its own group): every rank, same point
         self.checkpointer = CheckpointManager(
@@ -343,6 +343,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         self.checkpointer.wait()
+        self.metrics.close()
         return last or self.finished_record()
 
     def save_when_healthy(self) -> None:

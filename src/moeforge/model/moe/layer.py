@@ -1,7 +1,8 @@
-"""MoELayer = router + dispatcher + grouped experts (+ optional shared expert)."""
+"""MoELayer = router + dispatcher + grouped experts (+ optional shared expert, optionally gated)."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from moeforge.config import MoEConfig
@@ -13,7 +14,11 @@ from moeforge.model.moe.router import RouterOutput, TopKRouter
 
 class MoELayer(nn.Module):
     """Sparse feed-forward. After each forward, ``last_routing`` holds the routing outputs
-    (losses with their graph, counts detached) for the trainer's loss and metrics."""
+    (losses with their graph, counts detached) for the trainer's loss and metrics.
+
+    With ``shared_expert_hidden`` every token also goes through one dense SwiGLU; with
+    ``shared_expert_gate`` its output is scaled per token by ``sigmoid(shared_expert_gate(x))``,
+    a ``Linear(d_model, 1)`` (Qwen2-MoE)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig, layer_idx: int = 0, seed: int = 0) -> None:
         super().__init__()
@@ -21,6 +26,7 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(d_model, cfg, layer_idx, seed)
         self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.expert_impl)
         self.shared_expert = SwiGLU(d_model, cfg.shared_expert_hidden) if cfg.shared_expert_hidden else None
+        self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
         self.last_routing: RouterOutput | None = None
 
@@ -32,5 +38,8 @@ class MoELayer(nn.Module):
         rows, offsets, state = self.dispatcher.dispatch(flat, routing.indices, routing.weights)
         out = self.dispatcher.combine(self.experts(rows, offsets), state).to(x.dtype)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.view(shape)
