@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeforge.bench.env import ENV_KEYS, collect_env
 from moeforge.bench.harness import comparison_variants, parse_variant, sweep_variants
 from moeforge.bench.report import (
     REQUIRED_VARIANT_KEYS,
@@ -24,6 +23,7 @@ from moeforge.bench.worker import take_batches, union_seconds
 from moeforge.cli import main
 from moeforge.data import ShardedLoader, TokenWindows, prepare_data
 from moeforge.data.meta import load_meta
+from moeforge.train.environment import ENV_KEYS, collect_env
 
 from .helpers import tiny_config, write_corpus
 

@@ -21,6 +21,7 @@ LEVELS = {
     "__init__": 0,  # the root package: only the version string
     "config": 0,
     "config_validation": 0,
+    "config_doc": 1,  # python -m moeforge.config_doc: renders the config module
     "errors": 0,  # exit codes and error classes, imports nothing of moeforge
     "ops": 1,
     "model": 2,

@@ -1,7 +1,7 @@
 """``moeforge bench``: named variants of one config, each in its own ``torchrun`` launch, side by side.
 
 The seed articles' checklist as a command: pin and record the environment
-(:mod:`moeforge.bench.env`), start from a reduced config (``configs/bench/``),
+(:mod:`moeforge.train.environment`), start from a reduced config (``configs/bench/``),
 compare the new stack with FSDP on the same model and tokens
 (``--compare stacks``), sweep the number of experts at fixed top-k and
 expert size (``--sweep num_experts=8,32,128``), compare dispatchers, gradient
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moeforge.bench.env import collect_env
 from moeforge.bench.report import MXFP8_NOTE, compute_ratios, markdown_tables, write_results
 from moeforge.config import Config, ConfigError, load_config, save_config, validate_config
+from moeforge.train.environment import collect_env
 
 log = logging.getLogger(__name__)
 

@@ -98,7 +98,7 @@ class MetricsWriter:
                 log.warning("%s logger disabled after a failed write: %s", logger.name, e)
 
     def _write_env(self) -> None:
-        from moeforge.bench.env import collect_env
+        from moeforge.train.environment import collect_env
 
         path = self.run_dir / "env.json"
         try:

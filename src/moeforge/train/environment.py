@@ -1,4 +1,4 @@
-"""The environment record of a benchmark: versions, commit, devices and interconnect.
+"""The environment record of a run or a benchmark: versions, commit, devices and interconnect.
 
 The checklist of the seed articles asks every result to pin the commit, the
 CUDA stack and the PyTorch version, and to record the devices, the
@@ -56,7 +56,7 @@ def _run(cmd: list[str], cwd: Path | None = None, timeout: float = 10.0) -> str 
 
 
 def _repo_root() -> Path:
-    """The source checkout this moeforge was imported from (src/moeforge/bench -> repo)."""
+    """The source checkout this moeforge was imported from (src/moeforge/__init__.py -> repo)."""
     return Path(moeforge.__file__).resolve().parents[2]
 
 
