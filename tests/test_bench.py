@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from moeforge.bench.harness import comparison_variants, parse_variant, sweep_variants
+from moeforge.bench.measure import union_seconds
 from moeforge.bench.report import (
     REQUIRED_VARIANT_KEYS,
     InputMismatchError,
@@ -19,7 +20,7 @@ from moeforge.bench.report import (
     ratio,
     write_results,
 )
-from moeforge.bench.worker import take_batches, union_seconds
+from moeforge.bench.worker import take_batches
 from moeforge.cli import main
 from moeforge.data import ShardedLoader, TokenWindows, prepare_data
 from moeforge.data.meta import load_meta

@@ -247,3 +247,11 @@ def test_device_table_and_cpu_probe() -> None:
     peaks = cpu_peak_tflops(min_time_s=0.05, size=256)
     assert set(peaks) == {"fp32", "bf16"} and all(v > 0 for v in peaks.values())
     assert peak_tflops("cpu", "bf16", measured=peaks) == peaks["bf16"]
+
+
+def test_docs_fits_table_is_generated_from_the_planner() -> None:
+    from moeforge.bench.fits_table import render
+
+    doc = (PRESETS.parents[1] / "docs" / "flops.md").read_text()
+    committed = doc.split("<!-- fits-table -->\n", 1)[1].split("<!-- /fits-table -->", 1)[0]
+    assert committed == render(PRESETS), "regenerate with: python -m moeforge.bench.fits_table"

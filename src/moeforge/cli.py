@@ -41,7 +41,8 @@ def _rank() -> int:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     """Train from a config file plus dotted overrides."""
-    from moeforge.train.trainer import Trainer, step_summary
+    from moeforge.train.metrics import step_summary
+    from moeforge.train.trainer import Trainer
 
     if args.nproc_per_node is not None:
         from moeforge.launch import launch_train

@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import resource
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -44,16 +43,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from moeforge.bench.devices import cpu_peak_tflops, device_from_cuda_name, measure_matmul_tflops, peak_tflops
 from moeforge.bench.flops import flops_per_token, model_tflops_per_s, param_counts
+from moeforge.bench.measure import (
+    all_reduce,
+    barrier,
+    collective_seconds,
+    device_peak,
+    peak_memory_bytes,
+    per_rank,
+    sync,
+    time_checkpoint,
+)
 from moeforge.config import load_config
 from moeforge.data import ShardedLoader, TokenWindows
-from moeforge.parallel.mesh import MoEMesh
 from moeforge.train.balance import per_layer_metrics
-from moeforge.train.checkpoint_store import checkpoints_dir, step_name
 from moeforge.train.trainer import Trainer
 
 log = logging.getLogger("moeforge.bench.worker")
@@ -90,130 +95,12 @@ def take_batches(loader: ShardedLoader, dataset: TokenWindows, n: int, rank: int
 # ----------------------------------------------------------------------- measurement
 
 
-def union_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of ``[start, end)`` intervals given in microseconds, in seconds."""
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total / 1e6
-
-
-def collective_seconds(prof: profile) -> float:
-    """Wall time with at least one collective in flight: ``gloo:*`` CPU events, NCCL kernels on GPU."""
-    spans = []
-    for event in prof.events():
-        name = event.name.lower()
-        on_device = event.device_type == DeviceType.CUDA
-        if (name.startswith("gloo:") and not on_device) or ("nccl" in name and on_device):
-            spans.append((float(event.time_range.start), float(event.time_range.end)))
-    return union_seconds(spans)
-
-
-def device_peak(trainer: Trainer, probe_s: float, given: dict[str, float] | None = None) -> tuple[float, str, dict]:
-    """``(peak TFLOP/s per device, where it comes from, the probe results)``.
-
-    On CPU ``given`` (``{"fp32", "bf16"}`` measured by the harness in the same
-    bench run, with this rank's thread count) is used when present; otherwise
-    every rank runs the probe at once and the mean over ranks is taken.
-    """
-    precision = trainer.cfg.train.precision
-    if trainer.device.type == "cuda":
-        name = torch.cuda.get_device_name(trainer.device)
-        spec = device_from_cuda_name(name)
-        if spec is not None and spec.bf16_dense_tflops is not None:
-            return spec.bf16_dense_tflops, f"datasheet bf16 dense ({spec.note})", {}
-        probe = measure_matmul_tflops(torch.bfloat16, 8192, probe_s, trainer.device)
-        return probe, f"bf16 matmul probe on {name} (not in the peak table)", {"bf16": probe}
-    threads = torch.get_num_threads()
-    if given is not None:
-        source = f"{precision} matmul probe of this bench run, {threads} thread(s), one process at a time"
-        return peak_tflops("cpu", precision, given), source, dict(given)
-    _barrier(trainer.mesh)
-    local = cpu_peak_tflops(min_time_s=probe_s)
-    both = torch.tensor([local["fp32"], local["bf16"]], dtype=torch.float64)
-    _all_reduce(both, dist.ReduceOp.SUM, trainer.mesh)
-    world = trainer.mesh.world_size
-    measured = {"fp32": float(both[0]) / world, "bf16": float(both[1]) / world}
-    source = f"{precision} matmul probe, {threads} thread(s) per rank, all {world} rank(s) at once, mean over ranks"
-    return peak_tflops("cpu", precision, measured), source, measured
-
-
-def peak_memory_bytes(device: torch.device) -> tuple[float, str]:
-    """CUDA max allocated since the last reset, or this process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0, "cpu_peak_rss"
-
-
 def dispatcher_name(trainer: Trainer) -> str:
     """The dispatcher the MoE layers actually run (``local`` unless experts are sharded over ep)."""
     layers = trainer.model.moe_layers()
     if not layers:
         return "none"
     return type(layers[0].dispatcher).__name__.removesuffix("Dispatcher").lower()
-
-
-def _barrier(mesh: MoEMesh) -> None:
-    if mesh.distributed:
-        dist.barrier()
-
-
-def _all_reduce(t: Tensor, op: Any, mesh: MoEMesh) -> Tensor:
-    if mesh.distributed:
-        dist.all_reduce(t, op=op)
-    return t
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def per_rank(values: list[float], trainer: Trainer) -> list[list[float]]:
-    """``values`` of every rank, as a ``world x len(values)`` list (one all-reduce)."""
-    world = trainer.mesh.world_size
-    table = torch.zeros(world, len(values), dtype=torch.float64, device=trainer.device)
-    table[trainer.rank] = torch.tensor(values, dtype=torch.float64, device=trainer.device)
-    return _all_reduce(table, dist.ReduceOp.SUM, trainer.mesh).cpu().tolist()
-
-
-def _timed(fn: Any, trainer: Trainer) -> float:
-    """Seconds from a common start until every rank has finished ``fn`` (the slowest rank counts)."""
-    _sync(trainer.device)
-    _barrier(trainer.mesh)
-    t0 = time.perf_counter()
-    fn()
-    _sync(trainer.device)
-    _barrier(trainer.mesh)
-    return time.perf_counter() - t0
-
-
-def time_checkpoint(trainer: Trainer) -> dict[str, float]:
-    """Save the current state and load it back; seconds blocked, seconds until published, seconds to load, bytes.
-
-    Any earlier background save is joined first, so ``blocking_s`` is only what
-    this save makes the training loop wait for: the CPU snapshot with
-    ``train.async_save``, the whole write without.
-    """
-    manager = trainer.checkpointer
-    _timed(manager.wait, trainer)
-    save = lambda: manager.save(trainer.step, trainer.model, trainer.stack, trainer.trainer_state())  # noqa: E731
-    blocking = _timed(save, trainer)
-    total = blocking + _timed(manager.wait, trainer)
-    load = _timed(trainer.maybe_resume, trainer)
-    path = checkpoints_dir(trainer.run_dir) / step_name(trainer.step)
-    nbytes = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if trainer.is_main else 0
-    _barrier(trainer.mesh)
-    if trainer.is_main:
-        shutil.rmtree(path.parent, ignore_errors=True)  # the run's checkpoints directory
-    return {"blocking_s": blocking, "total_s": total, "load_s": load, "bytes": float(nbytes)}
 
 
 # --------------------------------------------------------------------------- the run
@@ -242,13 +129,13 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         trainer.run_step(batches[i])
     losses, grad_norms, step_times, skipped = [], [], [], 0
     load, load_sources = None, 0
-    _sync(device)
-    _barrier(mesh)
+    sync(device)
+    barrier(mesh)
     t0 = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
         t_step = time.perf_counter()
         result = trainer.run_step(batches[i])
-        _sync(device)
+        sync(device)
         step_times.append(time.perf_counter() - t_step)
         losses.append(result.loss)
         grad_norms.append(result.grad_norm)
@@ -256,7 +143,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         load = result.load if load is None else load + result.load
         load_sources += result.load_sources
     elapsed_local = time.perf_counter() - t0
-    elapsed = float(_all_reduce(torch.tensor([elapsed_local], device=device), dist.ReduceOp.MAX, mesh).item())
+    elapsed = float(all_reduce(torch.tensor([elapsed_local], device=device), dist.ReduceOp.MAX, mesh).item())
     balance: dict[str, Any] = {}
     if load is not None and len(load):
         balance = per_layer_metrics(load, cfg.model.moe.num_experts, mesh.ep, load_sources)
@@ -269,11 +156,11 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     comm_local, profiled_local = float("nan"), float("nan")
     if args.profile:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        _barrier(mesh)
+        barrier(mesh)
         with profile(activities=activities) as prof:
             t_prof = time.perf_counter()
             trainer.run_step(batches[-1])
-            _sync(device)
+            sync(device)
             profiled_local = time.perf_counter() - t_prof
         comm_local = collective_seconds(prof)
 

@@ -123,3 +123,22 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_summary(record: dict[str, Any]) -> str:
+    """One console line: loss, validation, balance (per expert and per ep rank), drops, throughput."""
+    parts = [f"step {record.get('step')}", f"loss {record.get('loss', math.nan):.4f}"]
+    if "val_bpb" in record:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
+        parts.append(f"val_bpb {record['val_bpb']:.4f}")
+    for key, label in (
+        ("moe/expert_imbalance", "expert max/mean"),
+        ("moe/rank_imbalance", "ep-rank max/mean"),
+        ("moe/dropped_frac", "dropped"),
+        ("aux_loss", "aux"),
+    ):
+        if key in record:
+            parts.append(f"{label} {record[key]:.3f}")
+    if "tokens_per_s" in record:
+        parts.append(f"tok/s {record['tokens_per_s']:.0f}")
+    return " | ".join(parts)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import time
@@ -12,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from moeforge.config import Config, ConfigError, save_config
@@ -27,7 +25,8 @@ from moeforge.train.checkpoint import CheckpointManager
 from moeforge.train.checkpoint_store import checkpoints_dir, complete_checkpoints, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
-from moeforge.train.metrics import MetricsWriter, read_metrics
+from moeforge.train.losses import lm_loss_fn, moe_aux_terms
+from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
 from moeforge.train.run_lock import RunLock, acquire_run_lock
 from moeforge.train.schedule import lr_at
 from moeforge.train.step_guard import guarded_step
@@ -54,33 +53,6 @@ class StepResult:
     load: Tensor  # (moe_layers, packed width): moeforge.train.balance's vectors, summed over micro-batches and ranks
     load_sources: int  # forwards summed into ``load`` (micro-batches x ranks)
     extra: dict[str, Any] = field(default_factory=dict)  # the balance metrics of ``load``
-
-
-def moe_aux_terms(model: MoETransformer) -> tuple[Tensor, Tensor, Tensor]:
-    """``(weighted aux sum for the loss, mean aux loss, mean z-loss)`` over the MoE layers' last forward."""
-    layers = model.moe_layers()
-    if not layers:
-        zero = torch.zeros(())
-        return zero, zero, zero
-    aux = torch.stack([m.last_routing.aux_loss for m in layers])  # type: ignore[union-attr]
-    z = torch.stack([m.last_routing.z_loss for m in layers])  # type: ignore[union-attr]
-    moe = layers[0].cfg
-    weighted = moe.aux_loss_coef * aux.sum() + moe.z_loss_coef * z.sum()
-    return weighted, aux.detach().mean(), z.detach().mean()
-
-
-def lm_loss_fn(logits: Tensor, targets: Tensor, upcast: bool = True) -> Tensor:
-    """Mean next-token cross-entropy; in fp32 unless ``upcast`` is False.
-
-    Training under bf16 autocast passes ``upcast=False``: the cross-entropy then
-    runs on the bf16 logits (softmax accumulated in fp32 inside the kernel), which
-    on CPU is about 2.5x faster than on an fp32 copy of the ``(tokens, vocab)``
-    logits; the gradient differs by ~0.1% and the logged training loss is rounded
-    to bf16. Validation always upcasts, so ``val_loss``/``val_bpb`` are exact.
-    """
-    if upcast:
-        logits = logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).float()
 
 
 class Trainer:
@@ -382,22 +354,3 @@ def streak_message(skips: int, run_dir: Path, at_end: bool) -> str:
         f"{where} {skips} consecutive non-finite steps (loss, gradient or update), not saved; {kept}. "
         "Lower optim.lr or check the data."
     )
-
-
-def step_summary(record: dict[str, Any]) -> str:
-    """One console line: loss, validation, balance (per expert and per ep rank), drops, throughput."""
-    parts = [f"step {record.get('step')}", f"loss {record.get('loss', math.nan):.4f}"]
-    if "val_bpb" in record:
-        parts.append(f"val_loss {record['val_loss']:.4f}")
-        parts.append(f"val_bpb {record['val_bpb']:.4f}")
-    for key, label in (
-        ("moe/expert_imbalance", "expert max/mean"),
-        ("moe/rank_imbalance", "ep-rank max/mean"),
-        ("moe/dropped_frac", "dropped"),
-        ("aux_loss", "aux"),
-    ):
-        if key in record:
-            parts.append(f"{label} {record[key]:.3f}")
-    if "tokens_per_s" in record:
-        parts.append(f"tok/s {record['tokens_per_s']:.0f}")
-    return " | ".join(parts)

@@ -1,0 +1,36 @@
+"""The training objective: next-token cross-entropy plus the MoE routers' auxiliary and z losses."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moeforge.model import MoETransformer
+
+
+def moe_aux_terms(model: MoETransformer) -> tuple[Tensor, Tensor, Tensor]:
+    """``(weighted aux sum for the loss, mean aux loss, mean z-loss)`` over the MoE layers' last forward."""
+    layers = model.moe_layers()
+    if not layers:
+        zero = torch.zeros(())
+        return zero, zero, zero
+    aux = torch.stack([m.last_routing.aux_loss for m in layers])  # type: ignore[union-attr]
+    z = torch.stack([m.last_routing.z_loss for m in layers])  # type: ignore[union-attr]
+    moe = layers[0].cfg
+    weighted = moe.aux_loss_coef * aux.sum() + moe.z_loss_coef * z.sum()
+    return weighted, aux.detach().mean(), z.detach().mean()
+
+
+def lm_loss_fn(logits: Tensor, targets: Tensor, upcast: bool = True) -> Tensor:
+    """Mean next-token cross-entropy; in fp32 unless ``upcast`` is False.
+
+    Training under bf16 autocast passes ``upcast=False``: the cross-entropy then
+    runs on the bf16 logits (softmax accumulated in fp32 inside the kernel), which
+    on CPU is about 2.5x faster than on an fp32 copy of the ``(tokens, vocab)``
+    logits; the gradient differs by ~0.1% and the logged training loss is rounded
+    to bf16. Validation always upcasts, so ``val_loss``/``val_bpb`` are exact.
+    """
+    if upcast:
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).float()
