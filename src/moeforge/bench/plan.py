@@ -38,6 +38,7 @@ from moeforge.bench.devices import DEVICES, GB, get_device
 from moeforge.bench.flops import flops_per_token, param_counts
 from moeforge.config import Config, ConfigError, load_config
 from moeforge.config_validation import check_ep
+from moeforge.parallel.memory import predict_state
 
 ROUTER_FP32_COPIES = 2  # router logits and scores, kept in fp32 for backward
 
@@ -71,35 +72,60 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
 
     Elements kept per token (times the activation bytes, 2 in bf16, 4 in fp32):
 
-    - attention block: ``2 d`` (norm in/out) + ``(H + 2 Hkv) hd`` (q, k, v)
+    - attention block: ``3 d`` (the norm's input, normalised value and scaled output) + ``(H + 2 Hkv) hd`` (q, k, v)
       + ``(H + Hkv) hd`` (q, k after QK-norm/RoPE) + ``H hd`` (attention output);
-    - MoE block: ``2 d`` (norm in/out) + ``r k d`` (dispatched rows) + ``4 r k F``
+    - MoE block: ``3 d`` (its norm) + ``r k d`` (dispatched rows) + ``4 r k F``
       (gate, up, silu(gate), product) + ``r k d`` (expert outputs before combine)
       + ``4 F_shared``, plus ``2 E`` fp32 router logits/scores (``r`` = capacity factor
       for rowwise dispatch, else 1);
-    - dense FFN block: ``2 d + 4 F_dense``;
-    - after the blocks: ``2 d`` (final norm) + ``V`` logits in the activation dtype
-      and ``V`` in fp32 for the cross-entropy.
+    - dense FFN block: ``3 d + 4 F_dense``;
+    - after the blocks: ``3 d`` (final norm) + ``V`` (the cross-entropy's log-softmax, in
+      the logits' dtype: training takes the cross-entropy of the bf16 logits under bf16).
 
     With checkpointing each block keeps only its input (``d``) and one block at a time
-    is recomputed during backward, so the peak is the inputs plus the largest block.
+    is recomputed during backward, so the peak is the inputs plus the largest block
+    (``checkpointed``); what stays saved at the end of the forward is the inputs and
+    the head (``saved_full``). Selective checkpointing recomputes attention and dense
+    feed-forwards, keeping their inputs, and keeps the MoE blocks (``saved_selective``).
+    ``RUN/memory.json`` measures the saved bytes of the configured mode. Under bf16
+    the norms and the router keep fp32 copies of their inputs, and autocast over
+    fp32 weights keeps one bf16 copy of every matmul weight (per micro-batch).
     """
     m, moe = cfg.model, cfg.model.moe
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     a = 2 if cfg.train.precision == "bf16" else 4
     d, h, kv, hd = m.d_model, m.n_heads, m.kv_heads, m.dim_head
     r, k, f = _route_factor(cfg), moe.top_k, moe.expert_hidden
-    attn = a * (2 * d + (3 * h + 3 * kv) * hd)
-    moe_ffn = a * (2 * d + 2 * r * k * d + 4 * r * k * f + 4 * moe.shared_expert_hidden)
+    attn = a * (3 * d + (3 * h + 3 * kv) * hd)
+    moe_ffn = a * (3 * d + 2 * r * k * d + 4 * r * k * f + 4 * moe.shared_expert_hidden)
     moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts
-    dense_ffn = a * (2 * d + 4 * m.dense_hidden)
+    dense_ffn = a * (3 * d + 4 * m.dense_hidden)
     n_dense = len(set(m.dense_layers))
     n_moe = m.n_layers - n_dense
     per_layer_max = attn + (moe_ffn if n_moe else dense_ffn)
-    head = a * 2 * d + (a + 4) * m.vocab_size
+    head = a * 3 * d + a * m.vocab_size  # final norm in/out, log-softmax of the logits (their dtype)
+    if a == 2:  # bf16: norms and the router compute in fp32 and keep those fp32 copies of their inputs
+        head += 2 * d
+        attn += 2 * d
+        moe_ffn += 2 * d + 4 * d
+        dense_ffn += 2 * d
     full = tokens * (n_moe * (attn + moe_ffn) + n_dense * (attn + dense_ffn) + head)
     checkpointed = tokens * (m.n_layers * a * d + per_layer_max + head)
-    return {"full": float(full), "checkpointed": float(checkpointed)}
+    saved_full = tokens * (m.n_layers * a * d + head)
+    # selective: the attention norm's input and output stay (its output is the checkpoint's input)
+    saved_selective = tokens * (m.n_layers * a * 3 * d + n_moe * moe_ffn + n_dense * a * d + head)
+    if a == 2 and cfg.train.param_dtype == "fp32":  # autocast keeps one bf16 copy of each matmul weight
+        counts = param_counts(m)
+        ep = cfg.parallel.ep if cfg.parallel.stack == "ddp" else 1
+        casts = 2 * (counts["total"] - counts["expert"] + counts["expert"] / ep - m.vocab_size * d)
+        full, checkpointed = full + casts, checkpointed + casts
+        saved_full, saved_selective = saved_full + casts, saved_selective + casts
+    return {
+        "full": float(full),
+        "checkpointed": float(checkpointed),
+        "saved_full": float(saved_full),
+        "saved_selective": float(saved_selective),
+    }
 
 
 def _gather(size: float, group: int) -> float:
@@ -203,7 +229,16 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
     stats = meta_param_stats(cfg)
     seq = cfg.data.seq_len
     layouts = [plan_layout(cfg, stats, stack, ep, world, mem_bytes) for stack, ep in valid_layouts(cfg, world)]
+    act = activation_bytes(cfg)
+    act_key = {"none": "full", "full": "saved_full", "selective": "saved_selective"}[cfg.train.activation_checkpointing]
+    predicted = [
+        {"rank": r, **state, "activation_bytes": int(act[act_key])} for r, state in enumerate(predict_state(cfg, world))
+    ]
     return {
+        # the config's own layout, in the keys of RUN/memory.json (moeforge.parallel.memory)
+        "predicted": {"stack": cfg.parallel.stack if world > 1 else "local", "ep": cfg.parallel.ep, "ranks": predicted}
+        if predicted is not None
+        else None,
         "world": world,
         "device": spec.name,
         "device_memory_bytes": mem_bytes,

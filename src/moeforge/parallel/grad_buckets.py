@@ -95,8 +95,7 @@ class GradBucket:
             self.entries.append(BucketEntry(name, p, offset, n))
             offset += n
         self.numel = offset
-        align = self.group_size * SHARD_ALIGN
-        self.padded_numel = max(align, math.ceil(offset / align) * align)
+        self.padded_numel = padded_numel(offset, self.group_size)
         self.shard_size = self.padded_numel // self.group_size
         self.shard_start = self.group_rank * self.shard_size
         self.buffer = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=device)
@@ -174,10 +173,46 @@ class GradBucket:
         self.launched = False
 
 
-def _bucket_group(role: str, mesh: MoEMesh) -> dist.ProcessGroup | None:
-    if role == EXPERT and mesh.ep > 1:
-        return mesh.edp_group if mesh.edp > 1 else None
-    return mesh.dp_group if mesh.dp > 1 else None
+def bucket_group_kind(role: str, ep: int, dp: int, edp: int) -> str | None:
+    """The group a parameter's gradient is reduced over: ``"edp"``, ``"dp"``, or None (a group of one)."""
+    if role == EXPERT and ep > 1:
+        return "edp" if edp > 1 else None
+    return "dp" if dp > 1 else None
+
+
+def padded_numel(numel: int, group_size: int) -> int:
+    """A bucket's length: ``numel`` padded so that it splits into ``group_size`` aligned, equal shards."""
+    align = group_size * SHARD_ALIGN
+    return max(align, math.ceil(numel / align) * align)
+
+
+def plan_buckets(
+    entries: list[tuple[int, int, torch.dtype, str | None]], bucket_size_mb: float
+) -> list[tuple[list[int], str | None, torch.dtype]]:
+    """Pure bucket layout: ``entries`` are ``(numel, element size, dtype, group kind)`` in registration order;
+    returns ``(entry indices, group kind, dtype)`` per bucket, in launch order.
+
+    Entries are packed in reverse order (roughly the order backward produces them),
+    one group and dtype per bucket, at most ``bucket_size_mb`` each. Both the
+    reducer and the memory planner use it, so the planned layout is the real one.
+    """
+    cap = max(1, int(bucket_size_mb * 2**20))
+    open_: dict[tuple[str | None, torch.dtype], tuple[list[int], int]] = {}
+    closed: list[tuple[list[int], str | None, torch.dtype]] = []
+    for idx in reversed(range(len(entries))):
+        numel, elt, dtype, kind = entries[idx]
+        members, nbytes = open_.get((kind, dtype), ([], 0))
+        size = numel * elt
+        if members and nbytes + size > cap:
+            closed.append((members, kind, dtype))
+            members, nbytes = [], 0
+        members.append(idx)
+        open_[kind, dtype] = (members, nbytes + size)
+    for (kind, dtype), (members, _) in open_.items():
+        closed.append((members, kind, dtype))
+    # A bucket completes when its earliest-registered parameter gets its gradient: sort by that position.
+    closed.sort(key=lambda c: -min(c[0]))
+    return closed
 
 
 def build_buckets(
@@ -186,34 +221,22 @@ def build_buckets(
     bucket_size_mb: float,
     grad_dtype: torch.dtype | None = None,
 ) -> list[GradBucket]:
-    """Pack ``(fqn, parameter, role)`` (reverse order) into buckets of one group and dtype, ordered by completion.
+    """Pack ``(fqn, parameter, role)`` into buckets of one group and dtype, ordered by completion.
 
     The role (:mod:`moeforge.model.params`) picks the group: experts over edp, the rest over dp.
     """
-    cap = max(1, int(bucket_size_mb * 2**20))
-    open_: dict[tuple[int, torch.dtype], tuple[list, int, dist.ProcessGroup | None]] = {}
-    closed: list[tuple[list, dist.ProcessGroup | None, torch.dtype]] = []
-    entries = list(named_params)[::-1]
-    ordered = [(name, p) for name, p, _ in entries]
-    for name, p, role in entries:
-        group = _bucket_group(role, mesh)
-        dtype = local_tensor(p).dtype
-        key = (id(group), dtype)
-        members, nbytes, _ = open_.get(key, ([], 0, group))
-        size = local_tensor(p).numel() * local_tensor(p).element_size()
-        if members and nbytes + size > cap:
-            closed.append((members, group, dtype))
-            members, nbytes = [], 0
-        members.append((name, p))
-        open_[key] = (members, nbytes + size, group)
-    for (_, dtype), (members, _, group) in open_.items():
-        closed.append((members, group, dtype))
-    # A bucket completes when its earliest-registered parameter gets its gradient: sort by that position.
-    positions = {id(p): i for i, (_, p) in enumerate(ordered)}
-    closed.sort(key=lambda c: max(positions[id(p)] for _, p in c[0]))
-    device = local_tensor(ordered[0][1]).device if ordered else torch.device("cpu")
+    named = list(named_params)
+    entries = []
+    for _, p, role in named:
+        local = local_tensor(p)
+        entries.append(
+            (local.numel(), local.element_size(), local.dtype, bucket_group_kind(role, mesh.ep, mesh.dp, mesh.edp))
+        )
+    groups = {"dp": mesh.dp_group, "edp": mesh.edp_group, None: None}
+    device = local_tensor(named[0][1]).device if named else torch.device("cpu")
     return [
-        GradBucket(i, members, group, dtype, device, grad_dtype) for i, (members, group, dtype) in enumerate(closed)
+        GradBucket(i, [named[k][:2] for k in members], groups[kind], dtype, device, grad_dtype)
+        for i, (members, kind, dtype) in enumerate(plan_buckets(entries, bucket_size_mb))
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ from moeforge.config import Config, ConfigError, save_config
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
 from moeforge.errors import TRAINING
 from moeforge.model import MoETransformer, build_model
+from moeforge.parallel.memory import SavedTensorMeter, measure_state
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.stack import TrainingStack
@@ -26,6 +28,7 @@ from moeforge.train.checkpoint_store import checkpoints_dir, complete_checkpoint
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
 from moeforge.train.losses import lm_loss_fn, moe_aux_terms
+from moeforge.train.memory_record import gather_memory, write_memory_json
 from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
 from moeforge.train.run_lock import RunLock, acquire_run_lock
 from moeforge.train.schedule import lr_at
@@ -104,6 +107,7 @@ class Trainer:
         self.consecutive_skips = 0
         self.skipped_steps = 0
         self.save_deferred = False  # a save fell due during a non-finite streak
+        self.memory: dict[str, Any] | None = None  # measured after the first step (RUN/memory.json)
         self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
         self.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         # creating the manager is collective (async save makes its own group): every rank, same point
@@ -125,15 +129,18 @@ class Trainer:
         n_micro = len(micro_batches)
         sums = torch.zeros(4, device=self.device)  # loss, lm, aux, z
         load = LoadAccumulator(model.moe_layers(), mesh.ep, self.device)
+        measure = self.memory is None  # this process's first step: RUN/memory.json
+        meter = SavedTensorMeter(model)
         for i, batch in enumerate(micro_batches):
             batch = batch.to(self.device, non_blocking=True)
             inputs, targets = batch[:, :-1], batch[:, 1:]
             stack.set_grad_sync(i == n_micro - 1)
-            with self._autocast():
-                logits = model(inputs)
-            lm = lm_loss_fn(logits, targets, upcast=False)
-            weighted_aux, aux, z = moe_aux_terms(model)
-            loss = lm + weighted_aux.to(lm.device)
+            with meter if measure and i == 0 else contextlib.nullcontext():
+                with self._autocast():
+                    logits = model(inputs)
+                lm = lm_loss_fn(logits, targets, upcast=False)
+                weighted_aux, aux, z = moe_aux_terms(model)
+                loss = lm + weighted_aux.to(lm.device)
             (loss / n_micro).backward()
             sums += torch.stack([loss.detach(), lm.detach(), aux.to(lm.device), z.to(lm.device)]) / n_micro
             load.add()
@@ -146,6 +153,10 @@ class Trainer:
         loads = values[4:].view(load.sum.shape)
         # non-finite loss, gradient or update: skipped (the first two are already global values)
         finite = guarded_step(stack, model, mesh, float(grad_norm), loss)
+        if measure:  # gradients and optimizer state exist now, before zero_grad
+            self.memory = gather_memory(mesh, measure_state(stack), meter.bytes, self.device)
+            if self.is_main:
+                write_memory_json(self.run_dir, self.memory)
         stack.zero_grad()
         if finite:
             counts = load.expert_counts(loads).to(self.device)
