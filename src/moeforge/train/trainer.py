@@ -19,7 +19,9 @@ from moeforge.errors import TRAINING
 from moeforge.model import MoETransformer, build_model
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.parallelize import build_stack
-from moeforge.parallel.stack import TrainingStack
+from moeforge.parallel.pipeline import StagePlan, carve_stage, stage_plan
+from moeforge.parallel.pipeline_schedule import PipelineRunner
+from moeforge.parallel.stack import DTYPES, TrainingStack
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
 from moeforge.train.checkpoint_store import checkpoints_dir, complete_checkpoints, step_name
@@ -27,6 +29,7 @@ from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
 from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
+from moeforge.train.pipeline_step import pipelined_eval_sums, pipelined_forward_backward
 from moeforge.train.run_lock import RunLock, acquire_run_lock
 from moeforge.train.schedule import lr_at
 from moeforge.train.step_guard import guarded_step
@@ -87,15 +90,32 @@ class Trainer:
             )
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
+        self.plan: StagePlan | None = None  # this rank's pipeline stage (parallel.pp > 1)
+        if self.mesh.pp > 1:
+            self.plan = stage_plan(cfg, self.mesh.pp_rank)
+            carve_stage(model, self.plan)  # only this stage's parts stay (parameter names unchanged)
         self.stack: TrainingStack = build_stack(model, cfg, self.mesh)
         self.model: MoETransformer = model
+        self.pipeline: PipelineRunner | None = None
+        if self.plan is not None:
+            self.pipeline = PipelineRunner(
+                model,
+                self.plan,
+                self.mesh,
+                cfg.parallel.pp_schedule,
+                self.device,
+                train_loss=lambda logits, targets: lm_loss_fn(logits, targets, upcast=False),
+                eval_loss=lm_loss_fn,
+                hidden_dtype=DTYPES[cfg.train.param_dtype],
+                logits_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else DTYPES[cfg.train.param_dtype],
+            )
         self.train_data = TokenWindows.from_meta(self.meta, "train", cfg.data.seq_len)
         self.val_data = TokenWindows.from_meta(self.meta, "val", cfg.data.seq_len)
         self.loader = ShardedLoader(
             self.train_data,
             cfg.train.global_batch_size,
             cfg.train.micro_batch_size,
-            rank=self.mesh.rank,
+            rank=self.mesh.dp_rank,
             world_size=self.mesh.dp,
             seed=cfg.train.seed,
         )
@@ -120,7 +140,15 @@ class Trainer:
 
     def _train_step(self, micro_batches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's micro-batches, then the optimizer step (or a skip)."""
-        model, stack, cfg, mesh = self.model, self.stack, self.cfg, self.mesh
+        if self.pipeline is not None:
+            sums, load_rows = pipelined_forward_backward(self, micro_batches)
+        else:
+            sums, load_rows = self._forward_backward(micro_batches)
+        return self._finish_step(sums, load_rows, len(micro_batches))
+
+    def _forward_backward(self, micro_batches: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """The single-stage loop: ``(sums [loss, lm, aux, z] over micro-batches, every MoE layer's summed load)``."""
+        model, stack, mesh = self.model, self.stack, self.mesh
         model.train()
         n_micro = len(micro_batches)
         sums = torch.zeros(4, device=self.device)  # loss, lm, aux, z
@@ -137,22 +165,30 @@ class Trainer:
             (loss / n_micro).backward()
             sums += torch.stack([loss.detach(), lm.detach(), aux.to(lm.device), z.to(lm.device)]) / n_micro
             load.add()
+        return sums, load.sum
+
+    def _finish_step(self, sums: Tensor, load_rows: Tensor, n_micro: int) -> StepResult:
+        """Gradient sync, global norm and clip, the step's one collective, the guarded step, router biases."""
+        model, stack, cfg, mesh = self.model, self.stack, self.cfg, self.mesh
         stack.finish_grad_sync()
         grad_norm = stack.clip_grad_norm_(cfg.optim.grad_clip)
-        # The step's one collective: losses and every layer's load, summed over all ranks.
-        packed = all_reduce_sum(torch.cat([sums, load.sum.reshape(-1)]), mesh.dp_group)
+        # The step's one collective: losses and every layer's load, summed over all ranks (all stages).
+        packed = all_reduce_sum(torch.cat([sums, load_rows.reshape(-1)]), mesh.world_group)
         values = packed.cpu()
         loss, lm, aux, z = (values[:4] / mesh.dp).tolist()
-        loads = values[4:].view(load.sum.shape)
+        loads = values[4:].view(load_rows.shape)
         # non-finite loss, gradient or update: skipped (the first two are already global values)
         finite = guarded_step(stack, model, mesh, float(grad_norm), loss)
         stack.zero_grad()
+        num_experts = cfg.model.moe.num_experts
         if finite:
-            counts = load.expert_counts(loads).to(self.device)
-            for layer, c in zip(model.moe_layers(), counts):
+            own = model.moe_layers()
+            first = self.plan.moe_offset if self.plan is not None else 0
+            counts = loads[first : first + len(own), :num_experts].to(self.device)
+            for layer, c in zip(own, counts):
                 layer.router.update_bias(c)
-        n_sources = n_micro * mesh.world_size
-        balance = per_layer_metrics(loads, load.num_experts, mesh.ep, n_sources) if load.layers else {}
+        n_sources = n_micro * mesh.dp  # forwards of each layer: micro-batches x the stage's data shards
+        balance = per_layer_metrics(loads, num_experts, mesh.ep, n_sources) if len(loads) else {}
         return StepResult(loss, lm, aux, z, float(grad_norm), not finite, loads, n_sources, balance)
 
     def run_step(self, micro_batches: list[Tensor]) -> StepResult:
@@ -178,18 +214,21 @@ class Trainer:
         """
         self.model.eval()
         batches = eval_batches(
-            self.val_data, self.cfg.train.micro_batch_size, self.cfg.train.eval_batches, self.rank, self.mesh.dp
+            self.val_data, self.cfg.train.micro_batch_size, self.cfg.train.eval_batches, self.mesh.dp_rank, self.mesh.dp
         )
         acc = torch.zeros(2, device=self.device, dtype=torch.float64)
         for batch in batches:
             batch = batch.to(self.device)
+            if self.pipeline is not None:
+                acc += pipelined_eval_sums(self, batch)
+                continue
             with self._autocast():
                 logits = self.model(batch[:, :-1])
             loss = lm_loss_fn(logits, batch[:, 1:])
             acc += torch.tensor(
                 [loss.item() * batch[:, 1:].numel(), batch[:, 1:].numel()], device=self.device, dtype=torch.float64
             )
-        all_reduce_sum(acc, self.mesh.dp_group)
+        all_reduce_sum(acc, self.mesh.world_group)  # the last stage's sums (zeros elsewhere) over every shard
         self.model.train()
         val_loss = float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
         split = self.meta.split("val")

@@ -1,0 +1,117 @@
+"""Pipeline parallelism: the pp=2 Trainer (torch.distributed.pipelining) equals the single-process run (fp32)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeforge.config import ConfigError, save_config
+from moeforge.parallel.pipeline import balanced_split, stage_layer_counts, stage_plan
+from moeforge.testing import run_distributed_test
+from moeforge.train.metrics import read_metrics
+from moeforge.train.trainer import Trainer
+
+from .helpers import tiny_config
+
+STEPS = 5
+COMMON = [f"--train.max_steps={STEPS}", "--model.moe.aux_loss_coef=0.1", "--model.moe.z_loss_coef=0.01"]
+LAYOUTS = {
+    "pp2_gpipe": ["--parallel.pp=2", "--parallel.pp_schedule=gpipe"],
+    "pp2_1f1b": ["--parallel.pp=2", "--parallel.pp_schedule=1f1b"],
+}
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in trainer.model.state_dict().items():
+        out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+    return out
+
+
+def _train_all(root: str) -> None:
+    for name, extra in LAYOUTS.items():
+        cfg = tiny_config(Path(root), f"--train.run_dir={Path(root) / name}", *COMMON, *extra)
+        trainer = Trainer(cfg)
+        last = trainer.fit()
+        torch.save(_params(trainer), Path(root) / f"{name}.rank{dist.get_rank()}.pt")
+        if dist.get_rank() == 0:
+            (Path(root) / f"{name}.json").write_text(json.dumps(last))
+
+
+def _close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:
+    ref_cfg = tiny_config(tmp_path, f"--train.run_dir={tmp_path / 'ref'}", *COMMON)
+    ref_trainer = Trainer(ref_cfg)
+    ref_trainer.fit()
+    ref_params = _params(ref_trainer)
+    ref = read_metrics(ref_cfg.train.run_dir)
+    run_distributed_test(_train_all, 2, args=(str(tmp_path),))
+    for name in LAYOUTS:
+        got = read_metrics(tmp_path / name)
+        assert len(got) == STEPS, name
+        for a, b in zip(ref, got):
+            for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
+                assert _close(a[key], b[key]), (name, key, a[key], b[key])
+            assert _close(a["moe/expert_imbalance"], b["moe/expert_imbalance"]), name
+        for key in ("val_loss", "val_bpb"):
+            assert _close(ref[-1][key], got[-1][key]), (name, key)
+        params: dict[str, torch.Tensor] = {}
+        for r in range(2):
+            params.update(torch.load(tmp_path / f"{name}.rank{r}.pt"))
+        assert set(params) == set(ref_params), name
+        for k, v in ref_params.items():
+            err = (params[k] - v).abs().max().item()
+            assert err <= 1e-5 * max(v.abs().max().item(), 1e-6), (name, k, err)
+
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["--parallel.pp=3", "--model.n_layers=3"], 4, "parallel.pp: must divide the world size (4), got 3"),
+        (["--parallel.pp=4", "--model.n_layers=3"], 4, "model.n_layers: fewer layers (3) than pipeline stages"),
+        (["--parallel.pp=2", "--train.global_batch_size=4"], 2, "train.global_batch_size: gives 1 micro-batches"),
+        (["--parallel.pp=2", "--parallel.pp_schedule=nope"], 2, "parallel.pp_schedule"),
+        (["--parallel.pp=2", "--parallel.pp_layers=[1,2]"], 2, "parallel.pp_layers: must sum to model.n_layers (2)"),
+        (["--parallel.pp=2", "--parallel.pp_layers=[2]"], 2, "parallel.pp_layers: needs one entry per stage"),
+        (["--parallel.pp=2", "--parallel.pp_schedule=zbv"], 2, "parallel.pp_schedule: 'zbv' is not supported yet"),
+        (["--parallel.pp=2", "--parallel.pp_stages_per_rank=2"], 2, "parallel.pp_stages_per_rank"),
+        (["--parallel.pp=2", "--parallel.stack=fsdp"], 2, "parallel.stack: parallel.pp > 1 with the fsdp stack"),
+        (["--parallel.pp=2", "--parallel.ep=2"], 2, "parallel.ep: must divide the data-parallel size"),
+    ],
+)
+def test_bad_pipeline_layouts_are_one_clear_error(tmp_path: Path, overrides: list[str], world: int, message: str):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tmp_path, *overrides).validate(world_size=world)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_cli_rejects_a_bad_pipeline_layout_with_exit_2(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path)
+    save_config(cfg, tmp_path / "c.yaml")
+    cmd = [sys.executable, "-m", "moeforge", "train", str(tmp_path / "c.yaml"), "--parallel.pp=2"]
+    cmd += ["--parallel.pp_schedule=interleaved_1f1b"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "parallel.pp_schedule" in p.stderr, p.stderr
+
+
+def test_default_split_balances_flops_and_keeps_the_head_on_the_last_stage(tmp_path: Path) -> None:
+    assert balanced_split([1.0] * 8, 2) == [4, 4]
+    assert balanced_split([1.0] * 8, 2, last_extra=2.0) == [5, 3]
+    assert balanced_split([1.0] * 6, 3, first_extra=1.0, last_extra=1.0) == [1, 3, 2]
+    cfg = tiny_config(tmp_path, "--model.n_layers=6", "--parallel.pp=2", "--model.vocab_size=300")
+    counts = stage_layer_counts(cfg)
+    assert sum(counts) == 6 and counts[0] >= counts[1]
+    cfg = tiny_config(tmp_path, "--model.n_layers=6", "--parallel.pp=2", "--parallel.pp_layers=[2,4]")
+    assert stage_layer_counts(cfg) == [2, 4]
+    plan = stage_plan(cfg, 1)
+    assert (plan.first_layer, plan.end_layer, plan.moe_offset, plan.moe_total) == (2, 6, 2, 6)
