@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +15,20 @@ import torch.distributed as dist
 from moeforge.config import ConfigError, save_config
 from moeforge.parallel.pipeline import balanced_split, stage_layer_counts, stage_plan
 from moeforge.testing import run_distributed_test
+from moeforge.train.checkpoint_store import checkpoints_dir, step_name
 from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer
 
 from .helpers import tiny_config
 
 STEPS = 5
-COMMON = [f"--train.max_steps={STEPS}", "--model.moe.aux_loss_coef=0.1", "--model.moe.z_loss_coef=0.01"]
+COMMON = [
+    f"--train.max_steps={STEPS}",
+    "--train.save_every=3",
+    "--model.moe.aux_loss_coef=0.1",
+    "--model.moe.z_loss_coef=0.01",
+    "--model.moe.bias_update_rate=0.01",
+]
 LAYOUTS = {
     "pp2_gpipe": ["--parallel.pp=2", "--parallel.pp_schedule=gpipe"],
     "pp2_1f1b": ["--parallel.pp=2", "--parallel.pp_schedule=1f1b"],
@@ -42,6 +50,18 @@ def _train_all(root: str) -> None:
         torch.save(_params(trainer), Path(root) / f"{name}.rank{dist.get_rank()}.pt")
         if dist.get_rank() == 0:
             (Path(root) / f"{name}.json").write_text(json.dumps(last))
+
+
+def _resumed_copy(src: Path, dst: Path) -> Path:
+    """A copy of run ``src`` whose newest checkpoint is step 3 (the final one removed), metrics kept."""
+    shutil.copytree(src, dst)
+    shutil.rmtree(checkpoints_dir(dst) / step_name(STEPS))
+    return dst
+
+
+def _resume(root: str, name: str, extra: list[str]) -> None:
+    cfg = tiny_config(Path(root), f"--train.run_dir={Path(root) / name}", *COMMON, *extra)
+    Trainer(cfg).fit()
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -71,6 +91,16 @@ def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:
         for k, v in ref_params.items():
             err = (params[k] - v).abs().max().item()
             assert err <= 1e-5 * max(v.abs().max().item(), 1e-6), (name, k, err)
+    # Topology-neutral checkpoints: pp=2 step 3 resumes on one process, the 1-process one on pp=2.
+    _resumed_copy(tmp_path / "ref", tmp_path / "ref_on_pp2")
+    run_distributed_test(_resume, 2, args=(str(tmp_path), "ref_on_pp2", LAYOUTS["pp2_1f1b"]))
+    _resumed_copy(tmp_path / "pp2_1f1b", tmp_path / "pp2_on_1")
+    _resume(str(tmp_path), "pp2_on_1", [])
+    for name in ("ref_on_pp2", "pp2_on_1"):
+        got = read_metrics(tmp_path / name)
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1)), name
+        for a, b in zip(ref[3:], got[3:]):
+            assert _close(a["loss"], b["loss"]) and _close(a["grad_norm"], b["grad_norm"]), (name, a["step"])
 
 
 @pytest.mark.parametrize(
