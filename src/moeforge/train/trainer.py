@@ -373,14 +373,24 @@ class Trainer:
         return record
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
-        """Generate text from ``prompt`` (every rank must call it; all draw the same tokens)."""
+        """Generate text from ``prompt`` (every rank must call it; all draw the same tokens).
+
+        On a pipelined run (after ``fit``) every rank loads the whole model from the newest checkpoint.
+        """
         from moeforge.data import Tokenizer
         from moeforge.train.generate import generate
 
         tok = Tokenizer.from_file(self.meta.tokenizer_path)
         ids = torch.tensor([tok.encode(prompt)], device=self.device)
+        model = self.model
+        if self.pipeline is not None:  # a stage holds part of the model: every rank loads the whole one
+            from moeforge.train.convert import load_run_model
+
+            self.checkpointer.wait()
+            barrier(self.mesh)
+            model = load_run_model(self.run_dir).to(self.device)
         with self._autocast():
-            out = generate(self.model, ids, max_new_tokens, seed=self.cfg.train.seed)
+            out = generate(model, ids, max_new_tokens, seed=self.cfg.train.seed)
         return tok.decode(out[0].tolist())
 
 
