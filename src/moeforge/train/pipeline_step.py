@@ -16,12 +16,35 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from moeforge.config import Config
+from moeforge.model import MoETransformer
+from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.pipeline import StagePlan
 from moeforge.parallel.pipeline_schedule import PipelineRunner
+from moeforge.parallel.stack import DTYPES
 from moeforge.train.balance import LoadAccumulator, packed_width
+from moeforge.train.losses import lm_loss_fn
 
 if TYPE_CHECKING:
     from moeforge.train.trainer import Trainer
+
+
+def build_pipeline(
+    model: MoETransformer, plan: StagePlan, cfg: Config, mesh: MoEMesh, device: torch.device
+) -> PipelineRunner:
+    """The runner of this rank's (carved) stage: the training loss as the single-stage loop's, eval upcast."""
+    params = DTYPES[cfg.train.param_dtype]
+    return PipelineRunner(
+        model,
+        plan,
+        mesh,
+        cfg.parallel.pp_schedule,
+        device,
+        train_loss=lambda logits, targets: lm_loss_fn(logits, targets, upcast=False),
+        eval_loss=lm_loss_fn,
+        hidden_dtype=params,
+        logits_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else params,
+    )
 
 
 def pipelined_forward_backward(trainer: Trainer, micro_batches: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -21,7 +21,7 @@ from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.pipeline import StagePlan, carve_stage, stage_plan
 from moeforge.parallel.pipeline_schedule import PipelineRunner
-from moeforge.parallel.stack import DTYPES, TrainingStack
+from moeforge.parallel.stack import TrainingStack
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
 from moeforge.train.checkpoint_store import checkpoints_dir, complete_checkpoints, step_name
@@ -29,7 +29,7 @@ from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
 from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
-from moeforge.train.pipeline_step import pipelined_eval_sums, pipelined_forward_backward
+from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
 from moeforge.train.run_lock import RunLock, acquire_run_lock
 from moeforge.train.schedule import lr_at
 from moeforge.train.step_guard import guarded_step
@@ -98,17 +98,7 @@ class Trainer:
         self.model: MoETransformer = model
         self.pipeline: PipelineRunner | None = None
         if self.plan is not None:
-            self.pipeline = PipelineRunner(
-                model,
-                self.plan,
-                self.mesh,
-                cfg.parallel.pp_schedule,
-                self.device,
-                train_loss=lambda logits, targets: lm_loss_fn(logits, targets, upcast=False),
-                eval_loss=lm_loss_fn,
-                hidden_dtype=DTYPES[cfg.train.param_dtype],
-                logits_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else DTYPES[cfg.train.param_dtype],
-            )
+            self.pipeline = build_pipeline(model, self.plan, cfg, self.mesh, self.device)
         self.train_data = TokenWindows.from_meta(self.meta, "train", cfg.data.seq_len)
         self.val_data = TokenWindows.from_meta(self.meta, "val", cfg.data.seq_len)
         self.loader = ShardedLoader(
