@@ -191,3 +191,16 @@ def test_pp2_ep2_on_four_ranks_matches_single_process(tmp_path: Path) -> None:
     _resume(str(tmp_path), "pp2_ep2_on_1", ["--train.micro_batch_size=2"])
     for a, b in zip(ref[3:], read_metrics(tmp_path / "pp2_ep2_on_1")[3:]):
         assert _close(a["loss"], b["loss"]), a["step"]
+
+
+def _train_bf16(root: str) -> None:
+    extra = ["--parallel.pp=2", "--train.precision=bf16", "--train.param_dtype=bf16", "--model.moe.expert_impl=loop"]
+    extra += ["--train.activation_checkpointing=full", "--train.max_steps=2"]
+    cfg = tiny_config(Path(root), f"--train.run_dir={Path(root) / 'bf16'}", *extra)
+    last = Trainer(cfg).fit()
+    assert 0 < last["val_bpb"] < 10 and not last["skipped"], last
+
+
+def test_pp2_bf16_parameters_with_activation_checkpointing_train(tmp_path: Path) -> None:
+    Trainer(tiny_config(tmp_path, f"--train.run_dir={tmp_path / 'prep'}", "--train.max_steps=1")).fit()
+    run_distributed_test(_train_bf16, 2, args=(str(tmp_path),))
