@@ -31,7 +31,7 @@ def test_list_override() -> None:
         ("--train.precision=fp16", "train.precision"),
         ("--data.sources=[/nope/missing.txt]", "data.sources[0]"),
         ("--parallel.ep=3", "parallel.ep"),
-        ("--parallel.pp=2", "parallel.pp"),
+        ("--parallel.pp=0", "parallel.pp"),
         ("--model.moe.n_groups=3", "model.moe.n_groups"),
         ("--model.dense_layers=[99]", "model.dense_layers"),
         ("--model.moe", "model.moe"),

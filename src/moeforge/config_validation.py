@@ -140,12 +140,13 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
 
     p = cfg.parallel
-    for name in ("pp", "tp", "cp"):
+    for name in ("tp", "cp"):
         _check(
             getattr(p, name) == 1,
             f"parallel.{name}",
             f"only 1 is supported in this release, got {getattr(p, name)}",
         )
+    check_pipeline(cfg)
     check_ep(p.ep, moe.num_experts)
     _check(p.dp >= 0, "parallel.dp", "must be >= 0 (0: inferred from the world size)")
     _check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
@@ -156,16 +157,81 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         validate_layout(cfg, world_size)
 
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+PP_IMPLEMENTED = ("gpipe", "1f1b")  # the others need several stages per rank (not implemented yet)
+
+
+def check_pipeline(cfg: Config) -> None:
+    """The pipeline rules that do not need the world size: schedule, stages, explicit split, what composes."""
+    p, m = cfg.parallel, cfg.model
+    _check(p.pp >= 1, "parallel.pp", f"must be >= 1, got {p.pp}")
+    _check(
+        p.pp_schedule in PP_SCHEDULES,
+        "parallel.pp_schedule",
+        f"unknown schedule {p.pp_schedule!r}; use one of {', '.join(PP_SCHEDULES)}",
+    )
+    _check(p.pp_stages_per_rank >= 1, "parallel.pp_stages_per_rank", f"must be >= 1, got {p.pp_stages_per_rank}")
+    stages = p.pp * p.pp_stages_per_rank
+    if p.pp_layers:
+        _check(
+            len(p.pp_layers) == stages,
+            "parallel.pp_layers",
+            f"needs one entry per stage (pp * pp_stages_per_rank = {stages}), got {len(p.pp_layers)}",
+        )
+        _check(min(p.pp_layers) >= 1, "parallel.pp_layers", f"every stage needs >= 1 layer, got {p.pp_layers}")
+        _check(
+            sum(p.pp_layers) == m.n_layers,
+            "parallel.pp_layers",
+            f"must sum to model.n_layers ({m.n_layers}), got {p.pp_layers} (sum {sum(p.pp_layers)})",
+        )
+    if p.pp == 1:
+        return
+    _check(
+        p.pp_schedule in PP_IMPLEMENTED,
+        "parallel.pp_schedule",
+        f"{p.pp_schedule!r} is not supported yet (it needs virtual stages); use gpipe or 1f1b",
+    )
+    _check(
+        p.pp_stages_per_rank == 1,
+        "parallel.pp_stages_per_rank",
+        f"virtual stages are not supported yet, got {p.pp_stages_per_rank}; use 1",
+    )
+    _check(
+        m.n_layers >= stages,
+        "model.n_layers",
+        f"fewer layers ({m.n_layers}) than pipeline stages (pp * pp_stages_per_rank = {stages})",
+    )
+    _check(p.stack == "ddp", "parallel.stack", "parallel.pp > 1 with the fsdp stack is not supported yet; use ddp")
+    _check(
+        not m.tie_embeddings,
+        "model.tie_embeddings",
+        "tied embeddings across pipeline stages are not supported yet; set it to false or parallel.pp=1",
+    )
+
+
+def pp_microbatches_needed(schedule: str, pp: int) -> int:
+    """The fewest micro-batches per step ``schedule`` runs with on ``pp`` stages."""
+    return pp if schedule != "gpipe" else 1
+
+
 def validate_layout(cfg: Config, world_size: int) -> None:
     """Checks that need the world size (run before any process-group work)."""
     p, t = cfg.parallel, cfg.train
-    dp = p.dp or world_size
     _check(
-        dp == world_size,
+        p.pp >= 1 and world_size % p.pp == 0, "parallel.pp", f"must divide the world size ({world_size}), got {p.pp}"
+    )
+    dp = p.dp or world_size // p.pp
+    _check(
+        dp * p.pp == world_size,
         "parallel.dp",
-        f"dp ({dp}) must equal the world size ({world_size}) while pp, tp and cp are 1",
+        f"dp ({dp}) * pp ({p.pp}) must equal the world size ({world_size}) while tp and cp are 1",
     )
     check_ep(p.ep, world_size=world_size)
+    _check(
+        dp % p.ep == 0,
+        "parallel.ep",
+        f"must divide the data-parallel size of a stage (world {world_size} / pp {p.pp} = {dp}), got {p.ep}",
+    )
     if p.ep > 1 and cfg.model.moe.dispatcher == "local":
         raise ConfigError(
             "model.moe.dispatcher: 'local' cannot reach experts on other ranks with parallel.ep > 1; "
@@ -177,3 +243,11 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         "train.global_batch_size",
         f"must be a multiple of train.micro_batch_size * dp ({per_step}), got {t.global_batch_size}",
     )
+    if p.pp > 1:
+        n_micro, need = t.global_batch_size // per_step, pp_microbatches_needed(p.pp_schedule, p.pp)
+        _check(
+            n_micro >= need,
+            "train.global_batch_size",
+            f"gives {n_micro} micro-batches per step (global / (micro_batch_size * dp)); schedule "
+            f"{p.pp_schedule!r} on {p.pp} stages needs >= {need}: raise it or lower train.micro_batch_size",
+        )

@@ -85,7 +85,7 @@ def count_params(model: MoETransformer) -> dict[str, int]:
     moe = cfg.moe
     active_expert = round(expert * moe.top_k / moe.num_experts)
     active = total - expert + active_expert
-    blocks = list(model.layers)
+    blocks = model.blocks()
     return {
         "total": total,
         "active": active,

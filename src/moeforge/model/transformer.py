@@ -47,13 +47,29 @@ class MoETransformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, start_pos: int = 0) -> Tensor:
+        """Logits ``(B, T, V)`` of token ids ``(B, T)`` (a pipeline stage: see :meth:`blocks`)."""
         T = input_ids.shape[1]
         positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
         cos, sin = rope_tables(self.cfg.dim_head, positions, self.cfg.rope_theta)
-        h = self.embed_tokens(input_ids)
-        for block in self.layers:
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        for block in self.blocks():
             h = block(h, cos, sin, cache)
-        return self.lm_head(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    def blocks(self) -> list[Block]:
+        """The blocks this module holds, in layer order.
+
+        A pipeline stage (``moeforge.parallel.pipeline``) keeps only its own
+        blocks in ``layers`` (a ModuleDict keyed by the layer index, so the
+        parameter names stay those of the whole model) and sets the parts it
+        does not run (``embed_tokens``, ``norm``, ``lm_head``) to None; the
+        forward then takes and returns hidden states where those parts are
+        missing.
+        """
+        layers = self.layers
+        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)  # type: ignore[arg-type]
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE feed-forward modules, in layer order."""

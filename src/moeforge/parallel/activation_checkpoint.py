@@ -50,7 +50,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"train.activation_checkpointing: must be one of {list(MODES)}, got {mode!r}")
     if mode == "none":
         return model
-    for block in model.layers:  # type: ignore[union-attr]
+    for block in model.blocks():  # type: ignore[operator]
         if mode == "full":
             checkpoint_module(block)
         else:

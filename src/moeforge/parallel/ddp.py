@@ -36,7 +36,7 @@ class DDPStack(TrainingStack):
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
-            norm_group=mesh.dp_group,
+            norm_group=mesh.world_group,  # every stage's shards: the global norm
             rank=mesh.rank,
             distributed=mesh.distributed,
         )

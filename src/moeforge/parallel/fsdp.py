@@ -46,9 +46,9 @@ def apply_fsdp(
         raise ValueError(
             f"parallel.stack: 'fsdp' shards every expert over all ranks and needs parallel.ep=1, got {mesh.ep}"
         )
-    dp_mesh = mesh.mesh["edp"]  # with ep == 1 this 1-D sub-mesh spans every rank
+    dp_mesh = mesh.dp_mesh  # with ep == 1 this 1-D sub-mesh spans the stage
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    blocks = list(model.layers)  # type: ignore[union-attr]
+    blocks = model.blocks()  # type: ignore[union-attr]
     for i, block in enumerate(blocks):
         reshard = reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)

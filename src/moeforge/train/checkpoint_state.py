@@ -99,11 +99,16 @@ def set_rng_state(loaded: dict[str, Tensor], model: nn.Module | None = None) -> 
             torch.cuda.set_rng_state(v)
 
 
-def check_model_keys(model_entries: dict[str, Tensor], saved: dict[str, Any], source: str) -> None:
-    """One error listing every missing key, unexpected key and shape mismatch of the model part."""
+def check_model_keys(
+    model_entries: dict[str, Tensor], saved: dict[str, Any], source: str, partial: bool = False
+) -> None:
+    """One error listing every missing key, unexpected key and shape mismatch of the model part.
+
+    ``partial``: the model is one pipeline stage, so the checkpoint's other keys belong to other stages.
+    """
     saved_model = {k: v for k, v in saved.items() if k.startswith(MODEL)}
     missing = sorted(k[len(MODEL) :] for k in model_entries if k not in saved_model)
-    unexpected = sorted(k[len(MODEL) :] for k in saved_model if k not in model_entries)
+    unexpected = [] if partial else sorted(k[len(MODEL) :] for k in saved_model if k not in model_entries)
     shapes = sorted(
         f"{k[len(MODEL) :]}: checkpoint {tuple(saved_model[k].size)} vs model {logical_shape(v)}"
         for k, v in model_entries.items()

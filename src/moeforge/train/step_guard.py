@@ -1,7 +1,7 @@
 """The optimizer step only when loss and gradient are finite, and a check that the update left the weights finite.
 
 Every rank takes the same decision: the loss and the gradient norm reach it
-already reduced over the world, and the weights' flag is reduced over it here.
+already reduced over the world (every pipeline stage), and the weights' flag is reduced over it here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def all_finite(flag: Tensor, mesh: MoEMesh) -> bool:
     """True when ``flag`` holds on every rank of ``mesh``."""
     t = flag.reshape(1).to(torch.int32)
     if mesh.distributed:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mesh.dp_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mesh.world_group)
     return bool(t.item())
 
 

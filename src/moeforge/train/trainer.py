@@ -21,6 +21,8 @@ from moeforge.model import MoETransformer, build_model
 from moeforge.parallel.memory import SavedTensorMeter, measure_state
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.parallelize import build_stack
+from moeforge.parallel.pipeline import StagePlan, carve_stage, stage_plan
+from moeforge.parallel.pipeline_schedule import PipelineRunner
 from moeforge.parallel.stack import TrainingStack
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
@@ -30,6 +32,7 @@ from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed
 from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 from moeforge.train.memory_record import gather_memory, write_memory_json
 from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
+from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
 from moeforge.train.run_lock import RunLock, acquire_run_lock
 from moeforge.train.schedule import lr_at
 from moeforge.train.step_guard import guarded_step
@@ -90,15 +93,22 @@ class Trainer:
             )
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
+        self.plan: StagePlan | None = None  # this rank's pipeline stage (parallel.pp > 1)
+        if self.mesh.pp > 1:
+            self.plan = stage_plan(cfg, self.mesh.pp_rank)
+            carve_stage(model, self.plan)  # only this stage's parts stay (parameter names unchanged)
         self.stack: TrainingStack = build_stack(model, cfg, self.mesh)
         self.model: MoETransformer = model
+        self.pipeline: PipelineRunner | None = None
+        if self.plan is not None:
+            self.pipeline = build_pipeline(model, self.plan, cfg, self.mesh, self.device)
         self.train_data = TokenWindows.from_meta(self.meta, "train", cfg.data.seq_len)
         self.val_data = TokenWindows.from_meta(self.meta, "val", cfg.data.seq_len)
         self.loader = ShardedLoader(
             self.train_data,
             cfg.train.global_batch_size,
             cfg.train.micro_batch_size,
-            rank=self.mesh.rank,
+            rank=self.mesh.dp_rank,
             world_size=self.mesh.dp,
             seed=cfg.train.seed,
         )
@@ -124,7 +134,15 @@ class Trainer:
 
     def _train_step(self, micro_batches: list[Tensor]) -> StepResult:
         """Forward/backward over this rank's micro-batches, then the optimizer step (or a skip)."""
-        model, stack, cfg, mesh = self.model, self.stack, self.cfg, self.mesh
+        if self.pipeline is not None:
+            sums, load_rows = pipelined_forward_backward(self, micro_batches)
+        else:
+            sums, load_rows = self._forward_backward(micro_batches)
+        return self._finish_step(sums, load_rows, len(micro_batches))
+
+    def _forward_backward(self, micro_batches: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """The single-stage loop: ``(sums [loss, lm, aux, z] over micro-batches, every MoE layer's summed load)``."""
+        model, stack, mesh = self.model, self.stack, self.mesh
         model.train()
         n_micro = len(micro_batches)
         sums = torch.zeros(4, device=self.device)  # loss, lm, aux, z
@@ -144,13 +162,18 @@ class Trainer:
             (loss / n_micro).backward()
             sums += torch.stack([loss.detach(), lm.detach(), aux.to(lm.device), z.to(lm.device)]) / n_micro
             load.add()
+        return sums, load.sum
+
+    def _finish_step(self, sums: Tensor, load_rows: Tensor, n_micro: int) -> StepResult:
+        """Gradient sync, global norm and clip, the step's one collective, the guarded step, router biases."""
+        model, stack, cfg, mesh = self.model, self.stack, self.cfg, self.mesh
         stack.finish_grad_sync()
         grad_norm = stack.clip_grad_norm_(cfg.optim.grad_clip)
-        # The step's one collective: losses and every layer's load, summed over all ranks.
-        packed = all_reduce_sum(torch.cat([sums, load.sum.reshape(-1)]), mesh.dp_group)
+        # The step's one collective: losses and every layer's load, summed over all ranks (all stages).
+        packed = all_reduce_sum(torch.cat([sums, load_rows.reshape(-1)]), mesh.world_group)
         values = packed.cpu()
         loss, lm, aux, z = (values[:4] / mesh.dp).tolist()
-        loads = values[4:].view(load.sum.shape)
+        loads = values[4:].view(load_rows.shape)
         # non-finite loss, gradient or update: skipped (the first two are already global values)
         finite = guarded_step(stack, model, mesh, float(grad_norm), loss)
         if measure:  # gradients and optimizer state exist now, before zero_grad
@@ -158,12 +181,15 @@ class Trainer:
             if self.is_main:
                 write_memory_json(self.run_dir, self.memory)
         stack.zero_grad()
+        num_experts = cfg.model.moe.num_experts
         if finite:
-            counts = load.expert_counts(loads).to(self.device)
-            for layer, c in zip(model.moe_layers(), counts):
+            own = model.moe_layers()
+            first = self.plan.moe_offset if self.plan is not None else 0
+            counts = loads[first : first + len(own), :num_experts].to(self.device)
+            for layer, c in zip(own, counts):
                 layer.router.update_bias(c)
-        n_sources = n_micro * mesh.world_size
-        balance = per_layer_metrics(loads, load.num_experts, mesh.ep, n_sources) if load.layers else {}
+        n_sources = n_micro * mesh.dp  # forwards of each layer: micro-batches x the stage's data shards
+        balance = per_layer_metrics(loads, num_experts, mesh.ep, n_sources) if len(loads) else {}
         return StepResult(loss, lm, aux, z, float(grad_norm), not finite, loads, n_sources, balance)
 
     def run_step(self, micro_batches: list[Tensor]) -> StepResult:
@@ -189,18 +215,21 @@ class Trainer:
         """
         self.model.eval()
         batches = eval_batches(
-            self.val_data, self.cfg.train.micro_batch_size, self.cfg.train.eval_batches, self.rank, self.mesh.dp
+            self.val_data, self.cfg.train.micro_batch_size, self.cfg.train.eval_batches, self.mesh.dp_rank, self.mesh.dp
         )
         acc = torch.zeros(2, device=self.device, dtype=torch.float64)
         for batch in batches:
             batch = batch.to(self.device)
+            if self.pipeline is not None:
+                acc += pipelined_eval_sums(self, batch)
+                continue
             with self._autocast():
                 logits = self.model(batch[:, :-1])
             loss = lm_loss_fn(logits, batch[:, 1:])
             acc += torch.tensor(
                 [loss.item() * batch[:, 1:].numel(), batch[:, 1:].numel()], device=self.device, dtype=torch.float64
             )
-        all_reduce_sum(acc, self.mesh.dp_group)
+        all_reduce_sum(acc, self.mesh.world_group)  # the last stage's sums (zeros elsewhere) over every shard
         self.model.train()
         val_loss = float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
         split = self.meta.split("val")
@@ -345,14 +374,24 @@ class Trainer:
         return record
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
-        """Generate text from ``prompt`` (every rank must call it; all draw the same tokens)."""
+        """Generate text from ``prompt`` (every rank must call it; all draw the same tokens).
+
+        On a pipelined run (after ``fit``) every rank loads the whole model from the newest checkpoint.
+        """
         from moeforge.data import Tokenizer
         from moeforge.train.generate import generate
 
         tok = Tokenizer.from_file(self.meta.tokenizer_path)
         ids = torch.tensor([tok.encode(prompt)], device=self.device)
+        model = self.model
+        if self.pipeline is not None:  # a stage holds part of the model: every rank loads the whole one
+            from moeforge.train.convert import load_run_model
+
+            self.checkpointer.wait()
+            barrier(self.mesh)
+            model = load_run_model(self.run_dir).to(self.device)
         with self._autocast():
-            out = generate(self.model, ids, max_new_tokens, seed=self.cfg.train.seed)
+            out = generate(model, ids, max_new_tokens, seed=self.cfg.train.seed)
         return tok.decode(out[0].tolist())
 
 
