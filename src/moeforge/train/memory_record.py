@@ -23,7 +23,7 @@ def gather_memory(mesh: MoEMesh, state: dict[str, int], activation_bytes: int, d
         [*(float(state[k]) for k in STATE_KEYS), float(activation_bytes), cuda_peak], dtype=torch.float64
     )
     if mesh.distributed:
-        dist.all_reduce(table, group=mesh.dp_group)
+        dist.all_reduce(table, group=mesh.world_group)
     ranks = []
     for r, row in enumerate(table.cpu().tolist()):
         entry: dict[str, Any] = {"rank": r, **{k: int(v) for k, v in zip(KEYS, row)}}

@@ -7,13 +7,16 @@ already reduced over the world (every pipeline stage), and the weights' flag is 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moeforge.errors import TRAINING
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.stack import TrainingStack
+from moeforge.train.checkpoint_store import complete_checkpoints
 
 
 def all_finite(flag: Tensor, mesh: MoEMesh) -> bool:
@@ -41,3 +44,20 @@ def guarded_step(stack: TrainingStack, model: nn.Module, mesh: MoEMesh, grad_nor
         return False
     stack.step()
     return all_finite(weights_finite(model), mesh)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. too many consecutive non-finite steps)."""
+
+    exit_code = TRAINING
+
+
+def streak_message(skips: int, run_dir: Path, at_end: bool) -> str:
+    """The one line of a run stopped by non-finite steps."""
+    done = complete_checkpoints(run_dir)
+    kept = f"the last good checkpoint {done[-1]} is untouched" if done else "no checkpoint was written"
+    where = "training ended during a streak of" if at_end else "stopping after"
+    return (
+        f"{where} {skips} consecutive non-finite steps (loss, gradient or update), not saved; {kept}. "
+        "Lower optim.lr or check the data."
+    )

@@ -16,7 +16,6 @@ from torch import Tensor
 
 from moeforge.config import Config, ConfigError, save_config
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
-from moeforge.errors import TRAINING
 from moeforge.model import MoETransformer, build_model
 from moeforge.parallel.memory import SavedTensorMeter, measure_state
 from moeforge.parallel.mesh import MoEMesh
@@ -26,7 +25,7 @@ from moeforge.parallel.pipeline_schedule import PipelineRunner
 from moeforge.parallel.stack import TrainingStack
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
-from moeforge.train.checkpoint_store import checkpoints_dir, complete_checkpoints, step_name
+from moeforge.train.checkpoint_store import checkpoints_dir, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
 from moeforge.train.losses import lm_loss_fn, moe_aux_terms
@@ -35,15 +34,9 @@ from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
 from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
 from moeforge.train.run_lock import RunLock, acquire_run_lock
 from moeforge.train.schedule import lr_at
-from moeforge.train.step_guard import guarded_step
+from moeforge.train.step_guard import TrainingError, guarded_step, streak_message
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. too many consecutive non-finite steps)."""
-
-    exit_code = TRAINING
 
 
 @dataclass
@@ -118,6 +111,7 @@ class Trainer:
         self.skipped_steps = 0
         self.save_deferred = False  # a save fell due during a non-finite streak
         self.memory: dict[str, Any] | None = None  # measured after the first step (RUN/memory.json)
+        self.activation_bytes = 0  # saved for backward by the first micro-batch (not measured under pp)
         self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
         self.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         # creating the manager is collective (async save makes its own group): every rank, same point
@@ -162,6 +156,7 @@ class Trainer:
             (loss / n_micro).backward()
             sums += torch.stack([loss.detach(), lm.detach(), aux.to(lm.device), z.to(lm.device)]) / n_micro
             load.add()
+        self.activation_bytes = meter.bytes
         return sums, load.sum
 
     def _finish_step(self, sums: Tensor, load_rows: Tensor, n_micro: int) -> StepResult:
@@ -176,8 +171,8 @@ class Trainer:
         loads = values[4:].view(load_rows.shape)
         # non-finite loss, gradient or update: skipped (the first two are already global values)
         finite = guarded_step(stack, model, mesh, float(grad_norm), loss)
-        if measure:  # gradients and optimizer state exist now, before zero_grad
-            self.memory = gather_memory(mesh, measure_state(stack), meter.bytes, self.device)
+        if self.memory is None:  # the first step: gradients and optimizer state exist now, before zero_grad
+            self.memory = gather_memory(mesh, measure_state(stack), self.activation_bytes, self.device)
             if self.is_main:
                 write_memory_json(self.run_dir, self.memory)
         stack.zero_grad()
@@ -393,14 +388,3 @@ class Trainer:
         with self._autocast():
             out = generate(model, ids, max_new_tokens, seed=self.cfg.train.seed)
         return tok.decode(out[0].tolist())
-
-
-def streak_message(skips: int, run_dir: Path, at_end: bool) -> str:
-    """The one line of a run stopped by non-finite steps."""
-    done = complete_checkpoints(run_dir)
-    kept = f"the last good checkpoint {done[-1]} is untouched" if done else "no checkpoint was written"
-    where = "training ended during a streak of" if at_end else "stopping after"
-    return (
-        f"{where} {skips} consecutive non-finite steps (loss, gradient or update), not saved; {kept}. "
-        "Lower optim.lr or check the data."
-    )
