@@ -231,9 +231,10 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
     layouts = [plan_layout(cfg, stats, stack, ep, world, mem_bytes) for stack, ep in valid_layouts(cfg, world)]
     act = activation_bytes(cfg)
     act_key = {"none": "full", "full": "saved_full", "selective": "saved_selective"}[cfg.train.activation_checkpointing]
-    predicted = [
-        {"rank": r, **state, "activation_bytes": int(act[act_key])} for r, state in enumerate(predict_state(cfg, world))
-    ]
+    predicted = None  # the config's own layout; not yet per pipeline stage
+    if world % cfg.parallel.ep == 0 and world % cfg.parallel.pp == 0 and cfg.parallel.pp == 1:
+        states = predict_state(cfg, world)
+        predicted = [{"rank": r, **st, "activation_bytes": int(act[act_key])} for r, st in enumerate(states)]
     return {
         # the config's own layout, in the keys of RUN/memory.json (moeforge.parallel.memory)
         "predicted": {"stack": cfg.parallel.stack if world > 1 else "local", "ep": cfg.parallel.ep, "ranks": predicted}
