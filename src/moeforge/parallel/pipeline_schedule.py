@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from moeforge.model import MoETransformer
+from moeforge.model.moe.layer import routing_losses
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.pipeline import StagePlan
 
@@ -48,15 +49,12 @@ class _AuxGrad(torch.autograd.Function):
 
 def stage_aux_terms(model: MoETransformer) -> tuple[Tensor | None, Tensor, Tensor]:
     """``(weighted aux + z sum or None, aux sum, z sum)`` of this stage's MoE layers' last forward."""
-    layers = model.moe_layers()
-    if not layers:
+    losses = routing_losses(model.moe_layers())
+    if losses is None:
         zero = torch.zeros(())
         return None, zero, zero
-    aux = torch.stack([m.last_routing.aux_loss for m in layers])  # type: ignore[union-attr]
-    z = torch.stack([m.last_routing.z_loss for m in layers])  # type: ignore[union-attr]
-    moe = layers[0].cfg
-    weighted = moe.aux_loss_coef * aux.sum() + moe.z_loss_coef * z.sum()
-    return weighted, aux.detach().sum(), z.detach().sum()
+    weighted, aux, z = losses
+    return weighted, aux.sum(), z.sum()
 
 
 class StageModule(nn.Module):

@@ -7,19 +7,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moeforge.model import MoETransformer
+from moeforge.model.moe.layer import routing_losses
 
 
 def moe_aux_terms(model: MoETransformer) -> tuple[Tensor, Tensor, Tensor]:
     """``(weighted aux sum for the loss, mean aux loss, mean z-loss)`` over the MoE layers' last forward."""
-    layers = model.moe_layers()
-    if not layers:
+    losses = routing_losses(model.moe_layers())
+    if losses is None:
         zero = torch.zeros(())
         return zero, zero, zero
-    aux = torch.stack([m.last_routing.aux_loss for m in layers])  # type: ignore[union-attr]
-    z = torch.stack([m.last_routing.z_loss for m in layers])  # type: ignore[union-attr]
-    moe = layers[0].cfg
-    weighted = moe.aux_loss_coef * aux.sum() + moe.z_loss_coef * z.sum()
-    return weighted, aux.detach().mean(), z.detach().mean()
+    weighted, aux, z = losses
+    return weighted, aux.mean(), z.mean()
 
 
 def lm_loss_fn(logits: Tensor, targets: Tensor, upcast: bool = True) -> Tensor:

@@ -43,3 +43,14 @@ class MoELayer(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
         return out.view(shape)
+
+
+def routing_losses(layers: list[MoELayer]) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(weighted aux + z loss for the gradient, per-layer aux losses, per-layer z losses)`` of the layers'
+    last forward (the weights are the layers' ``aux_loss_coef`` / ``z_loss_coef``); None without layers."""
+    if not layers:
+        return None
+    aux = torch.stack([m.last_routing.aux_loss for m in layers])  # type: ignore[union-attr]
+    z = torch.stack([m.last_routing.z_loss for m in layers])  # type: ignore[union-attr]
+    cfg = layers[0].cfg
+    return cfg.aux_loss_coef * aux.sum() + cfg.z_loss_coef * z.sum(), aux.detach(), z.detach()
