@@ -110,6 +110,11 @@ def test_compare_stacks_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert ratios["headline"]["label"] == "ddp+ep2 / fsdp tokens/s"
     md = (out / "results.md").read_text()
     assert "| fsdp |" in md and "| ddp+ep2 |" in md and "ddp+ep2 / fsdp tokens/s" in md
+    for v in variants:  # each variant links the run report of its timed steps
+        page = out / v["report"]
+        assert f"]({v['report']})" in md and page.is_file() and "data:image/png;base64," in page.read_text()
+        steps = [json.loads(line)["step"] for line in (page.parents[1] / "run" / "metrics.jsonl").open()]
+        assert len(steps) == v["measured_steps"] and steps == sorted(steps)
     assert "| ddp+ep2 |" in printed and "ddp+ep2 / fsdp tokens/s" in printed
     png = out / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

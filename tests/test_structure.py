@@ -29,12 +29,12 @@ LEVELS = {
     "interop": 3,
     "parallel": 4,
     "train": 5,
-    "bench": 6,
     "report": 6,
-    "testing": 7,
-    "launch": 7,
-    "cli": 8,
-    "__main__": 9,
+    "bench": 7,  # its pages use the report's plots
+    "testing": 8,
+    "launch": 8,
+    "cli": 9,
+    "__main__": 10,
 }
 
 

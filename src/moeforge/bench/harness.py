@@ -27,6 +27,7 @@ from typing import Any
 
 from moeforge.bench.report import MXFP8_NOTE, compute_ratios, markdown_tables, write_results
 from moeforge.config import Config, ConfigError, load_config, save_config, validate_config
+from moeforge.report import write_report
 from moeforge.train.environment import collect_env
 
 log = logging.getLogger(__name__)
@@ -301,6 +302,9 @@ def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
             log.error("bench: variant %s failed: %s", variant.name, result["error"])
         else:
             log.info("bench: %s: %.0f tokens/s", variant.name, result["tokens_per_s"])
+            if args.plots:  # the same page `moeforge report` makes of a run, from the timed steps
+                page = write_report(vdir / "run", vdir / "report")
+                result["report"] = str(page.relative_to(out))
         results.append(result)
     notes = []
     if args.compare == "precision":

@@ -210,6 +210,11 @@ def markdown_report(results: dict[str, Any]) -> str:
         lines += ["", "```", str(env["interconnect"]), "```"]
     lines.append("")
     lines.append(markdown_tables(results))
+    pages = [(v["name"], v["report"]) for v in results.get("variants", []) if v.get("report")]
+    if pages:
+        lines.append("Run reports of the timed steps (loss, grad norm, expert and rank load, drops):")
+        lines += [f"- [{name}]({path})" for name, path in pages]
+        lines.append("")
     return "\n".join(lines)
 
 

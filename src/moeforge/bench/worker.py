@@ -56,9 +56,10 @@ from moeforge.bench.measure import (
     sync,
     time_checkpoint,
 )
-from moeforge.config import load_config
+from moeforge.config import load_config, save_config
 from moeforge.data import ShardedLoader, TokenWindows
 from moeforge.train.balance import per_layer_metrics
+from moeforge.train.schedule import lr_at
 from moeforge.train.trainer import Trainer
 
 log = logging.getLogger("moeforge.bench.worker")
@@ -103,6 +104,25 @@ def dispatcher_name(trainer: Trainer) -> str:
     return type(layers[0].dispatcher).__name__.removesuffix("Dispatcher").lower()
 
 
+def step_record(trainer: Trainer, result: Any, seconds: float) -> dict[str, Any]:
+    """The ``metrics.jsonl`` record of one timed step (the keys ``fit`` writes, so ``moeforge report`` reads it)."""
+    cfg = trainer.cfg
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    return {
+        "step": trainer.step,
+        "loss": result.loss,
+        "lm_loss": result.lm_loss,
+        "aux_loss": result.aux_loss,
+        "z_loss": result.z_loss,
+        "lr": lr_at(trainer.step - 1, cfg.train.max_steps, cfg.optim),
+        "grad_norm": result.grad_norm,
+        "skipped": result.skipped,
+        "tokens_per_s": tokens / seconds,
+        "step_time_s": seconds,
+        **result.extra,
+    }
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -132,6 +152,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     sync(device)
     barrier(mesh)
     t0 = time.perf_counter()
+    records: list[dict[str, Any]] = []
     for i in range(args.warmup, args.warmup + args.steps):
         t_step = time.perf_counter()
         result = trainer.run_step(batches[i])
@@ -142,7 +163,12 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         skipped += int(result.skipped)
         load = result.load if load is None else load + result.load
         load_sources += result.load_sources
+        records.append(step_record(trainer, result, step_times[-1]))
     elapsed_local = time.perf_counter() - t0
+    for record in records:  # RUN/metrics.jsonl of the timed steps, written after the timing: `moeforge report`
+        trainer.metrics.write(record)
+    if trainer.is_main:
+        save_config(cfg, trainer.run_dir / "config.yaml")
     elapsed = float(all_reduce(torch.tensor([elapsed_local], device=device), dist.ReduceOp.MAX, mesh).item())
     balance: dict[str, Any] = {}
     if load is not None and len(load):
