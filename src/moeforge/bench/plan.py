@@ -72,8 +72,10 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
 
     Elements kept per token (times the activation bytes, 2 in bf16, 4 in fp32):
 
-    - attention block: ``3 d`` (the norm's input, normalised value and scaled output) + ``(H + 2 Hkv) hd`` (q, k, v)
-      + ``(H + Hkv) hd`` (q, k after QK-norm/RoPE) + ``H hd`` (attention output);
+    - attention block: ``3 d`` (the norm's input, normalised value and scaled output) plus,
+      in bytes, ``c (H + Hkv) hd`` with ``c`` = 8 (fp32) or 5 (bf16), 16 or 11 with QK-norm:
+      q, k, v, RoPE's rotated halves and products, SDPA's inputs and output and o_proj's
+      input, as measured per head with saved-tensor hooks;
     - MoE block: ``3 d`` (its norm) + ``r k d`` (dispatched rows) + ``4 r k F``
       (gate, up, silu(gate), product) + ``r k d`` (expert outputs before combine)
       + ``4 F_shared``, plus ``2 E`` fp32 router logits/scores (``r`` = capacity factor
@@ -96,7 +98,11 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     a = 2 if cfg.train.precision == "bf16" else 4
     d, h, kv, hd = m.d_model, m.n_heads, m.kv_heads, m.dim_head
     r, k, f = _route_factor(cfg), moe.top_k, moe.expert_hidden
-    attn = a * (3 * d + (3 * h + 3 * kv) * hd)
+    # attention, measured per head and token (saved-tensor hooks): q/k/v projections, RoPE's halves and
+    # products, SDPA's inputs and output, o_proj's input; QK-norm doubles it (fp32 copies in bf16)
+    qk = m.qk_norm != "none"
+    per_head = (16 if qk else 8) if a == 4 else (11 if qk else 5)
+    attn = a * 3 * d + per_head * (h + kv) * hd
     moe_ffn = a * (3 * d + 2 * r * k * d + 4 * r * k * f + 4 * moe.shared_expert_hidden)
     moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts
     dense_ffn = a * (3 * d + 4 * m.dense_hidden)
