@@ -112,7 +112,11 @@ def _layout(v: dict[str, Any]) -> str:
         parts.append("no-overlap")
     if v.get("random_routing"):
         parts.append("random-routing")
-    return " ".join(parts) + f" {v.get('precision', '?')}"
+    precision = v.get("precision", "?")
+    params = lay.get("param_dtype", "fp32")
+    if params != "fp32":  # the compute precision alone when the weights are fp32 (the default)
+        precision += f" ({params} params)"
+    return " ".join(parts) + f" {precision}"
 
 
 HEADER = (

@@ -219,6 +219,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             "edp": mesh.edp,
             "dispatcher": dispatcher_name(trainer),
             "overlap_grad_reduce": cfg.parallel.overlap_grad_reduce,
+            # what each stack holds: ddp stores weights in param_dtype; fsdp keeps fp32 shards and gathers
+            # them in param_dtype; gradients reduce in grad_reduce_dtype; compute runs in `precision`
+            "param_dtype": cfg.train.param_dtype,
+            "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype,
         },
         "precision": cfg.train.precision,
         "random_routing": cfg.model.moe.random_routing,
