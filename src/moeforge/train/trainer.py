@@ -142,12 +142,12 @@ class Trainer:
         sums = torch.zeros(4, device=self.device)  # loss, lm, aux, z
         load = LoadAccumulator(model.moe_layers(), mesh.ep, self.device)
         measure = self.memory is None  # this process's first step: RUN/memory.json
-        meter = SavedTensorMeter(model)
+        meter = SavedTensorMeter(model) if measure else None  # only the first step pays for it
         for i, batch in enumerate(micro_batches):
             batch = batch.to(self.device, non_blocking=True)
             inputs, targets = batch[:, :-1], batch[:, 1:]
             stack.set_grad_sync(i == n_micro - 1)
-            with meter if measure and i == 0 else contextlib.nullcontext():
+            with meter if meter is not None and i == 0 else contextlib.nullcontext():
                 with self._autocast():
                     logits = model(inputs)
                 lm = lm_loss_fn(logits, targets, upcast=False)
@@ -156,7 +156,8 @@ class Trainer:
             (loss / n_micro).backward()
             sums += torch.stack([loss.detach(), lm.detach(), aux.to(lm.device), z.to(lm.device)]) / n_micro
             load.add()
-        self.activation_bytes = meter.bytes
+        if meter is not None:
+            self.activation_bytes = meter.bytes
         return sums, load.sum
 
     def _finish_step(self, sums: Tensor, load_rows: Tensor, n_micro: int) -> StepResult:
