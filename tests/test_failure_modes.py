@@ -116,6 +116,15 @@ def test_run_dir_problems_bad_ids_and_unknown_options_are_one_line(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_dangling_symlink_data_dir_is_one_error(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path)
+    link = Path(cfg.data.data_dir)
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(DataError, match=r"is a symbolic link to .*gone, which does not exist; create its target"):
+        ensure_data(cfg)
+    assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
 def test_meta_json_with_garbage_counts_is_corrupt(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path)
     ensure_data(cfg)

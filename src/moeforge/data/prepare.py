@@ -98,6 +98,11 @@ def _reusable(data_dir: Path, provenance: dict[str, Any], overwrite: bool) -> Da
     the same source files and settings (their contents changed, or a prepare was
     killed half-way). Anything else is refused unless ``overwrite``.
     """
+    if data_dir.is_symlink() and not data_dir.exists():
+        raise DataError(
+            f"data.data_dir: {data_dir} is a symbolic link to {os.readlink(data_dir)}, which does not exist; "
+            "create its target or choose another data.data_dir"
+        )
     if not data_dir.exists() or (data_dir.is_dir() and not any(data_dir.iterdir())):
         return None
     if not data_dir.is_dir():
