@@ -36,6 +36,9 @@ LAYOUTS = {
 }
 
 
+VIRTUAL = ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_stages_per_rank=2"]
+
+
 def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in trainer.model.state_dict().items():
@@ -119,9 +122,28 @@ def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:
         (["--parallel.pp=2", "--parallel.pp_schedule=nope"], 2, "parallel.pp_schedule"),
         (["--parallel.pp=2", "--parallel.pp_layers=[1,2]"], 2, "parallel.pp_layers: must sum to model.n_layers (2)"),
         (["--parallel.pp=2", "--parallel.pp_layers=[2]"], 2, "parallel.pp_layers: needs one entry per stage"),
-        (["--parallel.pp=2", "--parallel.pp_schedule=zbv"], 2, "parallel.pp_schedule: 'zbv' is not supported yet"),
-        (["--parallel.pp=2", "--parallel.pp_stages_per_rank=2"], 2, "parallel.pp_stages_per_rank"),
-        (["--parallel.pp=2", "--parallel.stack=fsdp"], 2, "parallel.stack: parallel.pp > 1 with the fsdp stack"),
+        (["--parallel.pp=2", "--parallel.pp_schedule=zbv"], 2, "parallel.pp_stages_per_rank: the zbv schedule runs"),
+        (["--parallel.pp=2", "--parallel.pp_stages_per_rank=2"], 2, "parallel.pp_stages_per_rank: '1f1b' runs one"),
+        (
+            ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--model.n_layers=4"],
+            2,
+            "parallel.pp_stages_per_rank: interleaved_1f1b needs >= 2",
+        ),
+        (
+            ["--parallel.pp=2", "--parallel.pp_schedule=zbv", "--parallel.pp_stages_per_rank=2"],
+            2,
+            "model.n_layers: fewer layers (2) than pipeline stages (pp * pp_stages_per_rank = 4)",
+        ),
+        (
+            [*VIRTUAL, "--model.n_layers=4", "--train.global_batch_size=20"],
+            2,
+            "train.global_batch_size: gives 5 micro-batches",
+        ),
+        (
+            [*VIRTUAL, "--model.n_layers=4", "--parallel.stack=fsdp"],
+            2,
+            "parallel.stack: the fsdp stack with virtual stages",
+        ),
         (["--parallel.pp=2", "--parallel.ep=2"], 2, "parallel.ep: must divide the data-parallel size"),
     ],
 )
@@ -135,10 +157,10 @@ def test_cli_rejects_a_bad_pipeline_layout_with_exit_2(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path)
     save_config(cfg, tmp_path / "c.yaml")
     cmd = [sys.executable, "-m", "moeforge", "train", str(tmp_path / "c.yaml"), "--parallel.pp=2"]
-    cmd += ["--parallel.pp_schedule=interleaved_1f1b"]
+    cmd += ["--parallel.pp_schedule=interleaved_1f1b"]  # without pp_stages_per_rank >= 2
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
-    assert p.stderr.strip().count("\n") == 0 and "parallel.pp_schedule" in p.stderr, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "parallel.pp_stages_per_rank" in p.stderr, p.stderr
 
 
 def test_default_split_balances_flops_and_keeps_the_head_on_the_last_stage(tmp_path: Path) -> None:
