@@ -208,11 +208,40 @@ def test_pp2_ep2_on_four_ranks_matches_single_process(tmp_path: Path) -> None:
         # the all-to-all sums expert gradients in another order and Adam amplifies it on tiny gradients
         err = (params[k] - v).abs().max().item()
         assert err <= 5e-5 * max(v.abs().max().item(), 1e-6), (k, err)
-    # the pp=2 x ep=2 checkpoint of step 3 resumes on one process
+    # The resume matrix (step 3 checkpoints, the next steps' losses equal the uninterrupted run's):
+    # pp=2 x ep=2 resumes on one process, on ep=2 and on pp=2, and each of those resumes on pp=2 x ep=2.
     _resumed_copy(tmp_path / "pp2_ep2", tmp_path / "pp2_ep2_on_1")
     _resume(str(tmp_path), "pp2_ep2_on_1", ["--train.micro_batch_size=2"])
-    for a, b in zip(ref[3:], read_metrics(tmp_path / "pp2_ep2_on_1")[3:]):
-        assert _close(a["loss"], b["loss"]), a["step"]
+    for name in ("ep2", "pp2"):
+        _resumed_copy(tmp_path / "pp2_ep2", tmp_path / f"pp2_ep2_on_{name}")
+    run_distributed_test(_two_rank_matrix, 2, args=(str(tmp_path),))
+    _resumed_copy(tmp_path / "ref", tmp_path / "1_on_pp2_ep2")
+    for name in ("ep2", "pp2"):
+        _resumed_copy(tmp_path / name, tmp_path / f"{name}_on_pp2_ep2")
+    run_distributed_test(_four_rank_resumes, 4, args=(str(tmp_path),))
+    resumed = ["pp2_ep2_on_1", "pp2_ep2_on_ep2", "pp2_ep2_on_pp2", "1_on_pp2_ep2", "ep2_on_pp2_ep2", "pp2_on_pp2_ep2"]
+    for name in resumed:
+        got = read_metrics(tmp_path / name)
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1)), name
+        for a, b in zip(ref[3:], got[3:]):
+            assert _close(a["loss"], b["loss"]) and _close(a["grad_norm"], b["grad_norm"]), (name, a["step"])
+
+
+SMALL = ["--train.micro_batch_size=2"]
+MATRIX = {"ep2": ["--parallel.ep=2"], "pp2": ["--parallel.pp=2"], "pp2_ep2": ["--parallel.pp=2", "--parallel.ep=2"]}
+
+
+def _two_rank_matrix(root: str) -> None:
+    """Train ep=2 and pp=2 (the reverse direction's sources), then resume pp=2 x ep=2 on each."""
+    for name in ("ep2", "pp2"):
+        cfg = tiny_config(Path(root), f"--train.run_dir={Path(root) / name}", *COMMON, *SMALL, *MATRIX[name])
+        Trainer(cfg).fit()
+        _resume(root, f"pp2_ep2_on_{name}", [*SMALL, *MATRIX[name]])
+
+
+def _four_rank_resumes(root: str) -> None:
+    for name in ("1", "ep2", "pp2"):
+        _resume(root, f"{name}_on_pp2_ep2", [*SMALL, *MATRIX["pp2_ep2"]])
 
 
 def _train_bf16(root: str) -> None:
