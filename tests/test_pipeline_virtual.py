@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moeforge.bench.plan_pipeline import pipeline_plan
+from moeforge.config import load_config
 from moeforge.parallel.pipeline import rank_stage_ids
 from moeforge.testing import run_distributed_test
 from moeforge.train.metrics import read_metrics
@@ -79,3 +81,8 @@ def test_virtual_stage_schedules_match_single_process(tmp_path: Path) -> None:
         for k, v in ref_params.items():
             err = (params[k] - v).abs().max().item()
             assert err <= 1e-5 * max(v.abs().max().item(), 1e-6), (name, k, err)
+    # moeforge plan's per-stage parameters are what each rank of the zbv run measured (RUN/memory.json)
+    measured = json.loads((tmp_path / "zbv" / "memory.json").read_text())["ranks"]
+    planned = pipeline_plan(load_config(tmp_path / "zbv" / "config.yaml"), 2)
+    assert planned is not None
+    assert [r["params_bytes"] for r in planned["ranks"]] == [r["params_bytes"] for r in measured]
