@@ -36,6 +36,9 @@ LAYOUTS = {
 }
 
 
+VIRTUAL = ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_stages_per_rank=2"]
+
+
 def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in trainer.model.state_dict().items():
@@ -119,9 +122,28 @@ def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:
         (["--parallel.pp=2", "--parallel.pp_schedule=nope"], 2, "parallel.pp_schedule"),
         (["--parallel.pp=2", "--parallel.pp_layers=[1,2]"], 2, "parallel.pp_layers: must sum to model.n_layers (2)"),
         (["--parallel.pp=2", "--parallel.pp_layers=[2]"], 2, "parallel.pp_layers: needs one entry per stage"),
-        (["--parallel.pp=2", "--parallel.pp_schedule=zbv"], 2, "parallel.pp_schedule: 'zbv' is not supported yet"),
-        (["--parallel.pp=2", "--parallel.pp_stages_per_rank=2"], 2, "parallel.pp_stages_per_rank"),
-        (["--parallel.pp=2", "--parallel.stack=fsdp"], 2, "parallel.stack: parallel.pp > 1 with the fsdp stack"),
+        (["--parallel.pp=2", "--parallel.pp_schedule=zbv"], 2, "parallel.pp_stages_per_rank: the zbv schedule runs"),
+        (["--parallel.pp=2", "--parallel.pp_stages_per_rank=2"], 2, "parallel.pp_stages_per_rank: '1f1b' runs one"),
+        (
+            ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--model.n_layers=4"],
+            2,
+            "parallel.pp_stages_per_rank: interleaved_1f1b needs >= 2",
+        ),
+        (
+            ["--parallel.pp=2", "--parallel.pp_schedule=zbv", "--parallel.pp_stages_per_rank=2"],
+            2,
+            "model.n_layers: fewer layers (2) than pipeline stages (pp * pp_stages_per_rank = 4)",
+        ),
+        (
+            [*VIRTUAL, "--model.n_layers=4", "--train.global_batch_size=20"],
+            2,
+            "train.global_batch_size: gives 5 micro-batches",
+        ),
+        (
+            [*VIRTUAL, "--model.n_layers=4", "--parallel.stack=fsdp"],
+            2,
+            "parallel.stack: the fsdp stack with virtual stages",
+        ),
         (["--parallel.pp=2", "--parallel.ep=2"], 2, "parallel.ep: must divide the data-parallel size"),
     ],
 )
@@ -135,10 +157,10 @@ def test_cli_rejects_a_bad_pipeline_layout_with_exit_2(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path)
     save_config(cfg, tmp_path / "c.yaml")
     cmd = [sys.executable, "-m", "moeforge", "train", str(tmp_path / "c.yaml"), "--parallel.pp=2"]
-    cmd += ["--parallel.pp_schedule=interleaved_1f1b"]
+    cmd += ["--parallel.pp_schedule=interleaved_1f1b"]  # without pp_stages_per_rank >= 2
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
-    assert p.stderr.strip().count("\n") == 0 and "parallel.pp_schedule" in p.stderr, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "parallel.pp_stages_per_rank" in p.stderr, p.stderr
 
 
 def test_default_split_balances_flops_and_keeps_the_head_on_the_last_stage(tmp_path: Path) -> None:
@@ -186,11 +208,40 @@ def test_pp2_ep2_on_four_ranks_matches_single_process(tmp_path: Path) -> None:
         # the all-to-all sums expert gradients in another order and Adam amplifies it on tiny gradients
         err = (params[k] - v).abs().max().item()
         assert err <= 5e-5 * max(v.abs().max().item(), 1e-6), (k, err)
-    # the pp=2 x ep=2 checkpoint of step 3 resumes on one process
+    # The resume matrix (step 3 checkpoints, the next steps' losses equal the uninterrupted run's):
+    # pp=2 x ep=2 resumes on one process, on ep=2 and on pp=2, and each of those resumes on pp=2 x ep=2.
     _resumed_copy(tmp_path / "pp2_ep2", tmp_path / "pp2_ep2_on_1")
     _resume(str(tmp_path), "pp2_ep2_on_1", ["--train.micro_batch_size=2"])
-    for a, b in zip(ref[3:], read_metrics(tmp_path / "pp2_ep2_on_1")[3:]):
-        assert _close(a["loss"], b["loss"]), a["step"]
+    for name in ("ep2", "pp2"):
+        _resumed_copy(tmp_path / "pp2_ep2", tmp_path / f"pp2_ep2_on_{name}")
+    run_distributed_test(_two_rank_matrix, 2, args=(str(tmp_path),))
+    _resumed_copy(tmp_path / "ref", tmp_path / "1_on_pp2_ep2")
+    for name in ("ep2", "pp2"):
+        _resumed_copy(tmp_path / name, tmp_path / f"{name}_on_pp2_ep2")
+    run_distributed_test(_four_rank_resumes, 4, args=(str(tmp_path),))
+    resumed = ["pp2_ep2_on_1", "pp2_ep2_on_ep2", "pp2_ep2_on_pp2", "1_on_pp2_ep2", "ep2_on_pp2_ep2", "pp2_on_pp2_ep2"]
+    for name in resumed:
+        got = read_metrics(tmp_path / name)
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1)), name
+        for a, b in zip(ref[3:], got[3:]):
+            assert _close(a["loss"], b["loss"]) and _close(a["grad_norm"], b["grad_norm"]), (name, a["step"])
+
+
+SMALL = ["--train.micro_batch_size=2"]
+MATRIX = {"ep2": ["--parallel.ep=2"], "pp2": ["--parallel.pp=2"], "pp2_ep2": ["--parallel.pp=2", "--parallel.ep=2"]}
+
+
+def _two_rank_matrix(root: str) -> None:
+    """Train ep=2 and pp=2 (the reverse direction's sources), then resume pp=2 x ep=2 on each."""
+    for name in ("ep2", "pp2"):
+        cfg = tiny_config(Path(root), f"--train.run_dir={Path(root) / name}", *COMMON, *SMALL, *MATRIX[name])
+        Trainer(cfg).fit()
+        _resume(root, f"pp2_ep2_on_{name}", [*SMALL, *MATRIX[name]])
+
+
+def _four_rank_resumes(root: str) -> None:
+    for name in ("1", "ep2", "pp2"):
+        _resume(root, f"{name}_on_pp2_ep2", [*SMALL, *MATRIX["pp2_ep2"]])
 
 
 def _train_bf16(root: str) -> None:

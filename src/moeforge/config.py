@@ -137,7 +137,7 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel degree: experts are split over this many ranks of dp
     pp: int = 1  # pipeline-parallel degree: stages (docs/pipeline.md)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"  # torch.distributed.pipelining schedule
-    pp_stages_per_rank: int = 1  # virtual stages per rank (interleaved_1f1b, zbv; not implemented yet)
+    pp_stages_per_rank: int = 1  # virtual stages per rank: >= 2 for interleaved_1f1b, 2 for zbv (the V)
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per stage; empty: balance training FLOPs
     tp: int = 1  # tensor-parallel degree (only 1 is implemented)
     cp: int = 1  # context-parallel degree (only 1 is implemented)

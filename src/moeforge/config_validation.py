@@ -158,7 +158,6 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
-PP_IMPLEMENTED = ("gpipe", "1f1b")  # the others need several stages per rank (not implemented yet)
 
 
 def check_pipeline(cfg: Config) -> None:
@@ -186,22 +185,35 @@ def check_pipeline(cfg: Config) -> None:
         )
     if p.pp == 1:
         return
-    _check(
-        p.pp_schedule in PP_IMPLEMENTED,
-        "parallel.pp_schedule",
-        f"{p.pp_schedule!r} is not supported yet (it needs virtual stages); use gpipe or 1f1b",
-    )
-    _check(
-        p.pp_stages_per_rank == 1,
-        "parallel.pp_stages_per_rank",
-        f"virtual stages are not supported yet, got {p.pp_stages_per_rank}; use 1",
-    )
+    if p.pp_schedule == "zbv":
+        _check(
+            p.pp_stages_per_rank == 2,
+            "parallel.pp_stages_per_rank",
+            f"the zbv schedule runs exactly 2 stages per rank (the V), got {p.pp_stages_per_rank}; set it to 2",
+        )
+    elif p.pp_schedule == "interleaved_1f1b":
+        _check(
+            p.pp_stages_per_rank >= 2,
+            "parallel.pp_stages_per_rank",
+            f"interleaved_1f1b needs >= 2 virtual stages per rank, got {p.pp_stages_per_rank}; or use 1f1b",
+        )
+    else:
+        _check(
+            p.pp_stages_per_rank == 1,
+            "parallel.pp_stages_per_rank",
+            f"{p.pp_schedule!r} runs one stage per rank, got {p.pp_stages_per_rank}; use 1, "
+            "or pp_schedule=interleaved_1f1b / zbv",
+        )
     _check(
         m.n_layers >= stages,
         "model.n_layers",
         f"fewer layers ({m.n_layers}) than pipeline stages (pp * pp_stages_per_rank = {stages})",
     )
-    _check(p.stack == "ddp", "parallel.stack", "parallel.pp > 1 with the fsdp stack is not supported yet; use ddp")
+    _check(
+        p.stack == "ddp" or p.pp_stages_per_rank == 1,
+        "parallel.stack",
+        "the fsdp stack with virtual stages (pp_stages_per_rank > 1) is not supported yet; use ddp or 1 stage per rank",
+    )
     _check(
         not m.tie_embeddings,
         "model.tie_embeddings",
@@ -210,8 +222,19 @@ def check_pipeline(cfg: Config) -> None:
 
 
 def pp_microbatches_needed(schedule: str, pp: int) -> int:
-    """The fewest micro-batches per step ``schedule`` runs with on ``pp`` stages."""
+    """The fewest micro-batches per step ``schedule`` runs with on ``pp`` ranks."""
     return pp if schedule != "gpipe" else 1
+
+
+def pp_microbatches_problem(schedule: str, pp: int, n_micro: int) -> str | None:
+    """Why ``n_micro`` micro-batches per step do not suit ``schedule`` on ``pp`` ranks, or None."""
+    need = pp_microbatches_needed(schedule, pp)
+    if n_micro < need:
+        return f"schedule {schedule!r} on {pp} pipeline ranks needs >= {need}"
+    rounds = max(1, n_micro // pp)
+    if schedule == "interleaved_1f1b" and n_micro % rounds:
+        return f"schedule 'interleaved_1f1b' needs a multiple of {rounds} (rounds of {pp}): use a multiple of {pp}"
+    return None
 
 
 def validate_layout(cfg: Config, world_size: int) -> None:
@@ -244,10 +267,11 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         f"must be a multiple of train.micro_batch_size * dp ({per_step}), got {t.global_batch_size}",
     )
     if p.pp > 1:
-        n_micro, need = t.global_batch_size // per_step, pp_microbatches_needed(p.pp_schedule, p.pp)
+        n_micro = t.global_batch_size // per_step
+        problem = pp_microbatches_problem(p.pp_schedule, p.pp, n_micro)
         _check(
-            n_micro >= need,
+            problem is None,
             "train.global_batch_size",
-            f"gives {n_micro} micro-batches per step (global / (micro_batch_size * dp)); schedule "
-            f"{p.pp_schedule!r} on {p.pp} stages needs >= {need}: raise it or lower train.micro_batch_size",
+            f"gives {n_micro} micro-batches per step (global / (micro_batch_size * dp)); {problem}: "
+            "raise it or lower train.micro_batch_size",
         )

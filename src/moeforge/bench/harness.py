@@ -32,13 +32,14 @@ from moeforge.train.environment import collect_env
 
 log = logging.getLogger(__name__)
 
-COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing")
+COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing", "pipeline")
 DEFAULT_CONFIGS = {
     "stacks": "stacks.yaml",
     "dispatchers": "stacks.yaml",
     "overlap": "stacks.yaml",
     "precision": "stacks.yaml",
     "routing": "stacks.yaml",
+    "pipeline": "stacks.yaml",
     "sweep": "experts.yaml",
     None: "stacks.yaml",
 }
@@ -86,6 +87,16 @@ def comparison_variants(kind: str, nproc: int, ep: int) -> list[Variant]:
         return [
             Variant(f"{base}+learned", nproc, [*ddp, "--model.moe.random_routing=false"]),
             Variant(f"{base}+random", nproc, [*ddp, "--model.moe.random_routing=true"]),
+        ]
+    if kind == "pipeline":  # pp=1 (dp = nproc) against pp=2 with each schedule, the same global batches
+        pp2 = ["--parallel.stack=ddp", "--parallel.ep=1", "--parallel.pp=2"]
+        virtual = [*pp2, "--parallel.pp_stages_per_rank=2"]
+        return [
+            Variant("pp1", nproc, ["--parallel.stack=ddp", "--parallel.ep=1", "--parallel.pp=1"]),
+            Variant("pp2+gpipe", nproc, [*pp2, "--parallel.pp_schedule=gpipe"]),
+            Variant("pp2+1f1b", nproc, [*pp2, "--parallel.pp_schedule=1f1b"]),
+            Variant("pp2+interleaved_1f1b", nproc, [*virtual, "--parallel.pp_schedule=interleaved_1f1b"]),
+            Variant("pp2+zbv", nproc, [*virtual, "--parallel.pp_schedule=zbv"]),
         ]
     raise ConfigError(f"--compare: must be one of {', '.join(COMPARISONS)}, got {kind!r}")
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from moeforge.bench.devices import DEVICES, GB, get_device
 from moeforge.bench.flops import flops_per_token, param_counts
+from moeforge.bench.plan_pipeline import pipeline_plan
 from moeforge.config import Config, ConfigError, load_config
 from moeforge.config_validation import check_ep
 from moeforge.parallel.memory import predict_state
@@ -261,6 +262,7 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
         "params_dense": stats["dense"],
         "flops_per_token": flops_per_token(cfg.model, seq),
         "layouts": [asdict(lp) | {"grad_accum_steps": grad_accum_steps(cfg, lp.dp)} for lp in layouts],
+        "pipeline": pipeline_plan(cfg, world),  # per pp rank (None when parallel.pp == 1): docs/pipeline.md
     }
 
 
@@ -314,6 +316,19 @@ def format_plan(plan: dict[str, Any], config_name: str = "") -> str:
             + "".join(f"{_gb(v):>10}" for v in values)
             + f"  {_fits_label(lay)}"
         )
+    pipe = plan.get("pipeline")
+    if pipe:
+        lines += [
+            "",
+            f"pipeline: pp {pipe['pp']} x dp {pipe['dp']}, schedule {pipe['schedule']}, "
+            f"{pipe['micro_batches']} micro-batches per step (per pp rank; activations as configured)",
+        ]
+        for r in pipe["ranks"]:
+            lines.append(
+                f"  rank {r['pp_rank']}: stages {r['stages']} layers {r['layers']}, params {r['params'] / 1e6:.2f}M "
+                f"({_gb(r['params_bytes'])} GB), micro-batches in flight {r['micro_batches_in_flight']}, "
+                f"activations {_gb(r['activation_bytes_in_flight'])} GB"
+            )
     return "\n".join(lines) + "\n"
 
 

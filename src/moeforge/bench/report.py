@@ -107,6 +107,10 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
 def _layout(v: dict[str, Any]) -> str:
     lay = v.get("layout", {})
     parts = [f"{v.get('world_size', '?')}x {lay.get('stack', '?')}", f"ep{lay.get('ep', '?')}"]
+    if lay.get("pp", 1) > 1:  # pipelined: the schedule, virtual stages and the measured bubble
+        virtual = lay.get("pp_stages_per_rank") or 1
+        parts.append(f"pp{lay['pp']} {lay.get('pp_schedule')}" + (f" x{virtual}" if virtual > 1 else ""))
+        parts.append(f"bubble {_fmt(v.get('bubble_frac'), '.0f', 100)}%")
     parts.append(lay.get("dispatcher", "?"))
     if not lay.get("overlap_grad_reduce", True) and lay.get("stack") == "ddp":
         parts.append("no-overlap")

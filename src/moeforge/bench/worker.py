@@ -31,6 +31,7 @@ under ``torchrun``; rank 0 writes ``D/result.json``. What one run does, in order
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -58,6 +59,7 @@ from moeforge.bench.measure import (
 )
 from moeforge.config import load_config, save_config
 from moeforge.data import ShardedLoader, TokenWindows
+from moeforge.parallel.pipeline_timing import WaitTimer, p2p_wait_timer
 from moeforge.train.balance import per_layer_metrics
 from moeforge.train.schedule import lr_at
 from moeforge.train.trainer import Trainer
@@ -137,7 +139,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     device, mesh = trainer.device, trainer.mesh
     setup_s = time.perf_counter() - t_setup
     n_total = args.warmup + args.steps + (1 if args.profile else 0)
-    batches, input_hash = take_batches(trainer.loader, trainer.train_data, n_total, trainer.rank)
+    batches, input_hash = take_batches(trainer.loader, trainer.train_data, n_total, mesh.dp_rank)
     given = None
     if args.cpu_peak_fp32 is not None and args.cpu_peak_bf16 is not None:
         given = {"fp32": args.cpu_peak_fp32, "bf16": args.cpu_peak_bf16}
@@ -153,17 +155,19 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     barrier(mesh)
     t0 = time.perf_counter()
     records: list[dict[str, Any]] = []
-    for i in range(args.warmup, args.warmup + args.steps):
-        t_step = time.perf_counter()
-        result = trainer.run_step(batches[i])
-        sync(device)
-        step_times.append(time.perf_counter() - t_step)
-        losses.append(result.loss)
-        grad_norms.append(result.grad_norm)
-        skipped += int(result.skipped)
-        load = result.load if load is None else load + result.load
-        load_sources += result.load_sources
-        records.append(step_record(trainer, result, step_times[-1]))
+    waits = p2p_wait_timer() if trainer.pipeline is not None else contextlib.nullcontext(WaitTimer())
+    with waits as waited:
+        for i in range(args.warmup, args.warmup + args.steps):
+            t_step = time.perf_counter()
+            result = trainer.run_step(batches[i])
+            sync(device)
+            step_times.append(time.perf_counter() - t_step)
+            losses.append(result.loss)
+            grad_norms.append(result.grad_norm)
+            skipped += int(result.skipped)
+            load = result.load if load is None else load + result.load
+            load_sources += result.load_sources
+            records.append(step_record(trainer, result, step_times[-1]))
     elapsed_local = time.perf_counter() - t0
     for record in records:  # RUN/metrics.jsonl of the timed steps, written after the timing: `moeforge report`
         trainer.metrics.write(record)
@@ -196,7 +200,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         save_blocking_s, save_s, load_s = ckpt["blocking_s"], ckpt["total_s"], ckpt["load_s"]
         ckpt_bytes = int(ckpt["bytes"]) if trainer.is_main else None
 
-    ranks = per_rank([mem, comm_local, profiled_local], trainer)
+    bubble_local = waited.seconds / elapsed_local  # time this rank idled waiting for its pipeline peers
+    ranks = per_rank([mem, comm_local, profiled_local, bubble_local], trainer)
     seq_len, world = cfg.data.seq_len, mesh.world_size
     tokens_per_step = cfg.train.global_batch_size * seq_len
     tokens_per_s = tokens_per_step * args.steps / elapsed
@@ -216,6 +221,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             "stack": "local" if world == 1 else cfg.parallel.stack,
             "dp": mesh.dp,
             "ep": mesh.ep,
+            "pp": mesh.pp,
+            "pp_schedule": cfg.parallel.pp_schedule if mesh.pp > 1 else None,
+            "pp_stages_per_rank": cfg.parallel.pp_stages_per_rank if mesh.pp > 1 else None,
             "edp": mesh.edp,
             "dispatcher": dispatcher_name(trainer),
             "overlap_grad_reduce": cfg.parallel.overlap_grad_reduce,
@@ -261,6 +269,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "comm_s_per_rank": comm if args.profile else None,
         "profiled_step_s": max(profiled) if args.profile else None,
         "comm_frac": (sum(comm) / len(comm)) / max(profiled) if args.profile else None,
+        # pipeline: seconds a rank blocked on P2P waits / the timed steps' time (0 without pp)
+        "bubble_frac": sum(r[3] for r in ranks) / len(ranks),
+        "bubble_frac_per_rank": [r[3] for r in ranks],
         "ckpt_save_s": save_s,
         "ckpt_save_blocking_s": save_blocking_s,
         "ckpt_load_s": load_s,

@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config
 from moeforge.parallel.mesh import MoEMesh
@@ -73,9 +75,26 @@ class FSDPStack(TrainingStack):
             model, mesh, DTYPES[cfg.train.param_dtype], DTYPES[p.grad_reduce_dtype], p.fsdp_reshard_after_forward
         )
         self.optimizer = build_adamw(optim_param_groups(self.model, cfg.optim.weight_decay), cfg)
+        self.pp_group = mesh.pp_group  # the stage's norm is summed over the stages (None without pp)
 
     def set_grad_sync(self, enabled: bool) -> None:
         self.model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
 
     def finish_grad_sync(self) -> None:
         """Nothing to do: FSDP2 waits for its reduce-scatters at the end of the last backward."""
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """The global gradient norm (every stage's shards under pp) before clipping; clip when ``max_norm > 0``."""
+        if self.pp_group is None:
+            return super().clip_grad_norm_(max_norm)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        local = local.full_tensor() if isinstance(local, DTensor) else local  # over the stage's shards
+        square = local.detach().double().pow(2)
+        dist.all_reduce(square, group=self.pp_group)  # over the stages
+        norm = square.sqrt().float()
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            for g in grads:
+                g.mul_(coef)
+        return norm

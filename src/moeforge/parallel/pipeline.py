@@ -1,9 +1,10 @@
 """Pipeline stages carved out of a built :class:`MoETransformer` (as torchtitan does).
 
-Every rank builds the whole model, then :func:`carve_stage` keeps only its
-stage: the blocks of a contiguous range of layers (``layers`` becomes a
-ModuleDict keyed by the layer index, so parameter names stay those of the whole
-model and checkpoints stay topology-neutral), the embedding on the first stage
+Every rank builds the whole model, then :func:`carve_stages` keeps only its
+stages (one, or several virtual stages: :func:`rank_stage_ids`): the blocks of
+contiguous ranges of layers (``layers`` becomes a ModuleDict keyed by the
+layer index, so parameter names stay those of the whole model and
+checkpoints stay topology-neutral), the embedding on the first stage
 only, the final norm and LM head on the last only. The split is
 ``parallel.pp_layers`` when given, else the one that balances the stages'
 training FLOPs (:func:`balanced_split`), with the embedding charged to the
@@ -90,6 +91,7 @@ class StagePlan:
     end_layer: int
     moe_offset: int  # index (among all MoE layers of the model) of this stage's first MoE layer
     moe_total: int  # MoE layers of the whole model
+    moe_count: int = 0  # MoE layers of this stage
 
     @property
     def is_first(self) -> bool:
@@ -108,16 +110,87 @@ def stage_plan(cfg: Config, stage: int) -> StagePlan:
     first = sum(counts[:stage])
     end = first + counts[stage]
     moe = [i not in cfg.model.dense_layers for i in range(cfg.model.n_layers)]
-    return StagePlan(stage, len(counts), first, end, sum(moe[:first]), sum(moe))
+    return StagePlan(stage, len(counts), first, end, sum(moe[:first]), sum(moe), sum(moe[first:end]))
 
 
-def carve_stage(model: MoETransformer, plan: StagePlan) -> MoETransformer:
-    """Keep only ``plan``'s parts of ``model`` (in place; parameter names unchanged); returns ``model``."""
+def rank_stage_ids(pp: int, stages_per_rank: int, schedule: str, pp_rank: int) -> list[int]:
+    """The stages rank ``pp_rank`` of the pp group runs, in increasing order.
+
+    One stage per rank: stage ``pp_rank``. ``interleaved_1f1b`` loops:
+    ``pp_rank, pp_rank + pp, ...``. ``zbv`` is V-shaped (two stages per rank):
+    ``pp_rank`` and ``2 * pp - 1 - pp_rank``, so rank 0 holds the first and the
+    last stage.
+    """
+    if schedule == "zbv":
+        return sorted({pp_rank, 2 * pp - 1 - pp_rank})
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def stage_ranks(pp: int, stages_per_rank: int, schedule: str) -> dict[int, int]:
+    """Which pp rank runs each stage (the inverse of :func:`rank_stage_ids`)."""
+    return {s: r for r in range(pp) for s in rank_stage_ids(pp, stages_per_rank, schedule, r)}
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """The stages one rank runs (one, or several virtual stages) and where their MoE rows sit."""
+
+    plans: tuple[StagePlan, ...]
+
+    @property
+    def moe_rows(self) -> list[int]:
+        """Rows (in the whole model's MoE-layer table) of this rank's MoE layers, in the model's layer order."""
+        return [r for p in self.plans for r in range(p.moe_offset, p.moe_offset + p.moe_count)]
+
+    @property
+    def has_first(self) -> bool:
+        """This rank embeds the tokens (it runs stage 0)."""
+        return any(p.is_first for p in self.plans)
+
+    @property
+    def has_last(self) -> bool:
+        """This rank applies the head and the loss (it runs the last stage)."""
+        return any(p.is_last for p in self.plans)
+
+
+def rank_stages(cfg: Config, pp_rank: int) -> RankStages:
+    """The :class:`RankStages` of ``pp_rank`` under the config's schedule and split."""
+    p = cfg.parallel
+    ids = rank_stage_ids(p.pp, p.pp_stages_per_rank, p.pp_schedule, pp_rank)
+    return RankStages(tuple(stage_plan(cfg, s) for s in ids))
+
+
+def carve_stages(model: MoETransformer, stages: RankStages) -> MoETransformer:
+    """Keep only the parts of ``model`` the rank's stages run (in place; parameter names unchanged).
+
+    ``layers`` becomes a ModuleDict of the stages' layers keyed by the layer
+    index (in layer order); the embedding stays when a stage is the first, the
+    final norm and head when one is the last.
+    """
     blocks = list(model.layers)
-    model.layers = nn.ModuleDict({str(i): blocks[i] for i in range(plan.first_layer, plan.end_layer)})
-    if not plan.is_first:
+    keep = sorted(i for p in stages.plans for i in range(p.first_layer, p.end_layer))
+    model.layers = nn.ModuleDict({str(i): blocks[i] for i in keep})
+    if not stages.has_first:
         model.embed_tokens = None  # type: ignore[assignment]
-    if not plan.is_last:
+    if not stages.has_last:
         model.norm = None  # type: ignore[assignment]
         model.lm_head = None  # type: ignore[assignment]
     return model
+
+
+def stage_view(model: MoETransformer, plan: StagePlan) -> MoETransformer:
+    """A module that runs one stage of a carved ``model``, sharing its blocks and parameters.
+
+    With several stages on a rank each :class:`PipelineStage` needs its own
+    module; the views hold the same parameter objects as ``model`` (which the
+    training stack and the checkpoints see), so nothing is copied.
+    """
+    view = MoETransformer.__new__(MoETransformer)
+    nn.Module.__init__(view)
+    view.cfg = model.cfg
+    view.embed_tokens = model.embed_tokens if plan.is_first else None  # type: ignore[assignment]
+    layers = model.layers
+    view.layers = nn.ModuleDict({str(i): layers[str(i)] for i in range(plan.first_layer, plan.end_layer)})
+    view.norm = model.norm if plan.is_last else None  # type: ignore[assignment]
+    view.lm_head = model.lm_head if plan.is_last else None  # type: ignore[assignment]
+    return view

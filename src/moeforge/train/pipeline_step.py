@@ -11,6 +11,7 @@ MoE layers, and each stage's loads in its rows of the whole model's table.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ from torch import Tensor
 from moeforge.config import Config
 from moeforge.model import MoETransformer
 from moeforge.parallel.mesh import MoEMesh
-from moeforge.parallel.pipeline import StagePlan
+from moeforge.parallel.pipeline import RankStages, stage_ranks
 from moeforge.parallel.pipeline_schedule import PipelineRunner
 from moeforge.parallel.stack import DTYPES
 from moeforge.train.balance import LoadAccumulator, packed_width
@@ -30,13 +31,18 @@ if TYPE_CHECKING:
 
 
 def build_pipeline(
-    model: MoETransformer, plan: StagePlan, cfg: Config, mesh: MoEMesh, device: torch.device
+    model: MoETransformer,
+    stages: RankStages,
+    cfg: Config,
+    mesh: MoEMesh,
+    device: torch.device,
+    chunk_modules: list[MoETransformer] | None = None,
 ) -> PipelineRunner:
     """The runner of this rank's (carved) stage: the training loss as the single-stage loop's, eval upcast."""
     params = DTYPES[cfg.train.param_dtype]
     return PipelineRunner(
         model,
-        plan,
+        stages,
         mesh,
         cfg.parallel.pp_schedule,
         device,
@@ -44,6 +50,8 @@ def build_pipeline(
         eval_loss=lm_loss_fn,
         hidden_dtype=params,
         logits_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else params,
+        chunk_modules=chunk_modules,
+        placement=stage_ranks(cfg.parallel.pp, cfg.parallel.pp_stages_per_rank, cfg.parallel.pp_schedule),
     )
 
 
@@ -54,36 +62,41 @@ def pipelined_forward_backward(trainer: Trainer, micro_batches: list[Tensor]) ->
     ``finish_grad_sync`` reduces them over the stage's data-parallel group.
     """
     pipe: PipelineRunner = trainer.pipeline  # type: ignore[assignment]
-    plan: StagePlan = pipe.plan
     model, mesh, device = trainer.model, trainer.mesh, trainer.device
     model.train()
     n_micro = len(micro_batches)
     batch = torch.cat(micro_batches).to(device, non_blocking=True)
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    layers = model.moe_layers()
-    load = LoadAccumulator(layers, mesh.ep, device)
-    rec = torch.zeros(3, device=device)  # weighted aux + z, aux, z: sums over micro-batches and this stage's layers
+    rec = torch.zeros(3, device=device)  # weighted aux + z, aux, z: sums over micro-batches and this rank's layers
+    loads = [LoadAccumulator(c.module.moe_layers(), mesh.ep, device) for c in pipe.chunks]  # one per stage
 
-    def on_forward(weighted: Tensor, aux: Tensor, z: Tensor) -> None:
-        rec.add_(torch.stack([weighted.to(device), aux.to(device), z.to(device)]).float())
-        load.add()
+    def recorder(load: LoadAccumulator) -> Callable[[Tensor, Tensor, Tensor], None]:
+        def on_forward(weighted: Tensor, aux: Tensor, z: Tensor) -> None:
+            rec.add_(torch.stack([weighted.to(device), aux.to(device), z.to(device)]).float())
+            load.add()
 
-    pipe.module.on_forward = on_forward
+        return on_forward
+
+    for chunk, load in zip(pipe.chunks, loads):
+        chunk.on_forward = recorder(load)
     trainer.stack.set_grad_sync(False)  # accumulate; finish_grad_sync reduces after the schedule
     try:
         with trainer._autocast():
             losses = pipe.run_train(inputs, targets, n_micro)
     finally:
-        pipe.module.on_forward = None
+        for chunk in pipe.chunks:
+            chunk.on_forward = None
     lm = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros((), device=device)
     lm = lm.to(device)
-    n_layers = max(plan.moe_total, 1)
+    plans = pipe.stages.plans
+    n_layers = max(plans[0].moe_total, 1)
     weighted = rec[0] / n_micro
     sums = torch.stack([lm + weighted, lm, rec[1] / (n_micro * n_layers), rec[2] / (n_micro * n_layers)])
     num_experts = trainer.cfg.model.moe.num_experts
-    full = torch.zeros(plan.moe_total, packed_width(num_experts, mesh.ep), device=device)
-    if layers:
-        full[plan.moe_offset : plan.moe_offset + len(layers)] = load.sum
+    full = torch.zeros(plans[0].moe_total, packed_width(num_experts, mesh.ep), device=device)
+    for plan, load in zip(plans, loads):
+        if plan.moe_count:
+            full[plan.moe_offset : plan.moe_offset + plan.moe_count] = load.sum
     return sums, full
 
 

@@ -20,7 +20,7 @@ from moeforge.model import MoETransformer, build_model
 from moeforge.parallel.memory import SavedTensorMeter, measure_state
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.parallelize import build_stack
-from moeforge.parallel.pipeline import StagePlan, carve_stage, stage_plan
+from moeforge.parallel.pipeline import RankStages, carve_stages, rank_stages
 from moeforge.parallel.pipeline_schedule import PipelineRunner
 from moeforge.parallel.stack import TrainingStack
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
@@ -86,10 +86,10 @@ class Trainer:
             )
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
-        self.plan: StagePlan | None = None  # this rank's pipeline stage (parallel.pp > 1)
+        self.plan: RankStages | None = None  # this rank's pipeline stages (parallel.pp > 1)
         if self.mesh.pp > 1:
-            self.plan = stage_plan(cfg, self.mesh.pp_rank)
-            carve_stage(model, self.plan)  # only this stage's parts stay (parameter names unchanged)
+            self.plan = rank_stages(cfg, self.mesh.pp_rank)
+            carve_stages(model, self.plan)  # only this rank's stages' parts stay (parameter names unchanged)
         self.stack: TrainingStack = build_stack(model, cfg, self.mesh)
         self.model: MoETransformer = model
         self.pipeline: PipelineRunner | None = None
@@ -180,8 +180,8 @@ class Trainer:
         num_experts = cfg.model.moe.num_experts
         if finite:
             own = model.moe_layers()
-            first = self.plan.moe_offset if self.plan is not None else 0
-            counts = loads[first : first + len(own), :num_experts].to(self.device)
+            rows = self.plan.moe_rows if self.plan is not None else list(range(len(own)))
+            counts = loads[rows, :num_experts].to(self.device)
             for layer, c in zip(own, counts):
                 layer.router.update_bias(c)
         n_sources = n_micro * mesh.dp  # forwards of each layer: micro-batches x the stage's data shards
