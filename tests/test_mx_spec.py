@@ -115,7 +115,7 @@ def test_adversarial_blocks_bit_exact() -> None:
         "saturating (max in [448, 512))": torch.linspace(-511.0, 511.0, 32),
         "max a power of two": torch.cat([torch.tensor([2.0**20]), torch.randn(31)]),
         "max just below a power of two": torch.cat([torch.tensor([math.nextafter(2.0**20, 0)]), torch.randn(31)]),
-        "e4m3 subnormals after scaling": torch.cat([torch.tensor([256.0]), torch.linspace(-2**-6, 2**-6, 31)]),
+        "e4m3 subnormals after scaling": torch.cat([torch.tensor([256.0]), torch.linspace(-(2**-6), 2**-6, 31)]),
         "fp32 max": torch.cat([torch.tensor([f32.max, -f32.max]), torch.randn(30)]),
         "fp32 denormals": torch.full((32,), 2.0**-140),
         "tiny normals": torch.linspace(2.0**-125, 2.0**-120, 32),
