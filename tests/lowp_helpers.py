@@ -11,7 +11,7 @@ from moeforge.model.transformer import build_model
 from moeforge.parallel.low_precision import apply_low_precision
 
 # mxfp8 against bf16 on one step of the tiny model, relative L2 errors (docs/precision.md; measured about
-# 0.014 for the logits, 0.10 for the worst single gradient, 0.03 for all gradients together)
+# 0.014 for the logits, 0.10 for the worst single gradient, 0.022 for all gradients together)
 LOGITS_TOL = 0.03
 GRAD_TOL = 0.25  # each parameter's gradient
 ALL_GRADS_TOL = 0.06  # all gradients as one vector

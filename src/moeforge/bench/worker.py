@@ -128,13 +128,14 @@ def step_record(trainer: Trainer, result: Any, seconds: float) -> dict[str, Any]
 def stability_record(trainer: Trainer, micro_batch: Tensor, grad_norms: list[float], steps: int) -> dict[str, Any]:
     """The numerical-stability signals (:mod:`moeforge.bench.stability`) of the timed steps just run."""
     lowp = trainer.lowp
+    ops = {k: n / steps for k, n in QUANT_OPS.items()}  # the timed steps' GEMMs, before the probe forward
     acts: list[float] = []
     if trainer.pipeline is None:  # one forward of the whole model on this rank's first micro-batch
         model = trainer.model
         acts = activation_maxima(model, model.blocks(), micro_batch[:, :-1].to(trainer.device), trainer._autocast())
     return {
         "kernels": None if lowp is None else ("emulated" if lowp.emulated else "native"),
-        "quant_ops_per_step": {k: n / steps for k, n in QUANT_OPS.items()},
+        "quant_ops_per_step": ops,
         "grad_norm_spikes": grad_norm_spikes(grad_norms),
         "act_max_per_block": acts,
     }
