@@ -112,7 +112,10 @@ class TrainConfig:
     global_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
     seed: int = 0  # seed of the init, the data order and sampling
-    precision: Literal["fp32", "bf16"] = "fp32"  # compute: bf16 runs the model under bf16 autocast
+    precision: Literal["fp32", "bf16", "mxfp8", "fp8_rowwise"] = "fp32"  # bf16 autocast; mxfp8/fp8: docs/precision.md
+    lowp_kernels: Literal["auto", "emulated"] = "auto"  # mxfp8/fp8_rowwise: native kernels where the GPU has them
+    lowp_scale_mode: Literal["floor", "rceil"] = "floor"  # mxfp8 e8m0 scale rounding: floor (OCP MX spec), rceil
+    lowp_head: bool = False  # mxfp8/fp8_rowwise: also quantize lm_head (the router and embeddings never are)
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights, fp32 masters sharded in the optimizer
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute blocks (docs/memory.md)
     run_dir: str = "runs/default"  # config.yaml, metrics.jsonl, checkpoints and trackers go here

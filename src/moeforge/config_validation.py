@@ -31,6 +31,30 @@ def check_ep(ep: int, num_experts: int | None = None, world_size: int | None = N
         _check(world_size % ep == 0, "parallel.ep", f"must divide the world size ({world_size}), got {ep}")
 
 
+def _check_low_precision(cfg: Config) -> None:
+    """mxfp8 / fp8_rowwise: every quantized GEMM dimension a multiple of the 32-element MX block."""
+    m, moe, p = cfg.model, cfg.model.moe, cfg.train.precision
+    dims = [("model.d_model", m.d_model), ("model.n_heads x head_dim", m.n_heads * m.dim_head)]
+    dims.append(("model.n_kv_heads x head_dim", m.kv_heads * m.dim_head))
+    if len(m.dense_layers):
+        dims.append(("model.dense_hidden", m.dense_hidden))
+    dims.append(("model.moe.expert_hidden", moe.expert_hidden))
+    if moe.shared_expert_hidden:
+        dims.append(("model.moe.shared_expert_hidden", moe.shared_expert_hidden))
+    for name, value in dims:
+        _check(
+            value % 32 == 0,
+            name,
+            f"train.precision={p} quantizes in blocks of 32 along every GEMM dimension, got {value}; "
+            "use a multiple of 32 or train.precision=bf16",
+        )
+    _check(
+        moe.expert_impl == "grouped",
+        "model.moe.expert_impl",
+        f"train.precision={p} quantizes the grouped GEMM: set model.moe.expert_impl=grouped",
+    )
+
+
 def validate_config(cfg: Config, world_size: int | None = None) -> None:
     """Raise one ConfigError for the first violated constraint."""
     m, moe = cfg.model, cfg.model.moe
@@ -90,17 +114,19 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     )
     if cfg.train.param_dtype == "bf16":
         _check(
-            cfg.train.precision == "bf16",
+            cfg.train.precision != "fp32",
             "train.param_dtype",
-            "bf16 parameters compute in bf16: set train.precision=bf16 too",
+            "bf16 parameters compute in bf16: set train.precision=bf16 (or mxfp8, fp8_rowwise) too",
         )
+    if cfg.train.precision in ("mxfp8", "fp8_rowwise"):
+        _check_low_precision(cfg)
     if cfg.train.activation_checkpointing != "none":
         _check(
             not moe.random_routing,
             "train.activation_checkpointing",
             "the recompute would draw new random routes (model.moe.random_routing); use none",
         )
-    if moe.expert_impl == "grouped" and cfg.train.precision == "bf16":
+    if moe.expert_impl == "grouped" and cfg.train.precision != "fp32":
         for name, value in (("model.d_model", m.d_model), ("model.moe.expert_hidden", moe.expert_hidden)):
             _check(
                 value % 8 == 0,

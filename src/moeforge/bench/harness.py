@@ -8,7 +8,8 @@ expert size (``--sweep num_experts=8,32,128``), compare dispatchers, gradient
 overlap and precision, and measure throughput, memory, communication,
 checkpoint times, expert balance and dropped routes (:mod:`moeforge.bench.worker`).
 Results on different inputs are never compared (:mod:`moeforge.bench.report`).
-MXFP8 is not implemented, and ``--compare precision`` says so.
+``--compare precision`` runs bf16, fp32, mxfp8 (and fp8_rowwise on SM89+ GPUs) on the same
+batches, with the numerical-stability signals in a table of their own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moeforge.bench.report import MXFP8_NOTE, compute_ratios, markdown_tables, write_results
+from moeforge.bench.report import FP8_NOTE, MXFP8_NOTE, compute_ratios, markdown_tables, write_results
 from moeforge.config import Config, ConfigError, load_config, save_config, validate_config
 from moeforge.report import write_report
 from moeforge.train.environment import collect_env
@@ -62,8 +63,10 @@ class Variant:
     overrides: list[str] = field(default_factory=list)
 
 
-def comparison_variants(kind: str, nproc: int, ep: int) -> list[Variant]:
-    """The variants of ``--compare KIND``; the first is the reference the others are divided by."""
+def comparison_variants(kind: str, nproc: int, ep: int, fp8: bool = False) -> list[Variant]:
+    """The variants of ``--compare KIND``; the first is the reference the others are divided by.
+
+    ``fp8``: the machine runs FP8 (``precision`` adds an fp8_rowwise variant)."""
     ddp = ["--parallel.stack=ddp", f"--parallel.ep={ep}"]
     base = f"ddp+ep{ep}"
     if kind == "stacks":
@@ -78,11 +81,9 @@ def comparison_variants(kind: str, nproc: int, ep: int) -> list[Variant]:
             Variant(f"{base}+overlap_off", nproc, [*ddp, "--parallel.overlap_grad_reduce=false"]),
             Variant(base, nproc, [*ddp, "--parallel.overlap_grad_reduce=true"]),
         ]
-    if kind == "precision":
-        return [
-            Variant(f"{base}+fp32", nproc, [*ddp, "--train.precision=fp32"]),
-            Variant(f"{base}+bf16", nproc, [*ddp, "--train.precision=bf16"]),
-        ]
+    if kind == "precision":  # bf16 is the reference, mxfp8 last (the headline: mxfp8 / bf16)
+        names = ["bf16", "fp32", *(["fp8_rowwise"] if fp8 else []), "mxfp8"]
+        return [Variant(f"{base}+{p}", nproc, [*ddp, f"--train.precision={p}"]) for p in names]
     if kind == "routing":
         return [
             Variant(f"{base}+learned", nproc, [*ddp, "--model.moe.random_routing=false"]),
@@ -152,6 +153,13 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
 
 
+def fp8_available() -> bool:
+    """Whether this machine's GPU runs torchao's FP8 rowwise grouped GEMM (CUDA, SM89 or newer)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
 def plan_variants(args: argparse.Namespace) -> tuple[list[Variant], str, str | None]:
     """``(variants, kind label, reference name)`` from the command line."""
     chosen = [bool(args.compare), bool(args.sweep), bool(args.variant)]
@@ -162,7 +170,7 @@ def plan_variants(args: argparse.Namespace) -> tuple[list[Variant], str, str | N
         raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
     if args.compare:
         ep = args.ep or nproc
-        variants = comparison_variants(args.compare, nproc, ep)
+        variants = comparison_variants(args.compare, nproc, ep, fp8=fp8_available())
         kind = f"compare {args.compare}"
     elif args.sweep:
         variants, kind = sweep_variants(args.sweep, nproc), f"sweep {args.sweep}"
@@ -319,7 +327,7 @@ def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
         results.append(result)
     notes = []
     if args.compare == "precision":
-        notes.append(MXFP8_NOTE)
+        notes += [MXFP8_NOTE] + ([] if fp8_available() else [FP8_NOTE])
     if env["device_type"] == "cpu":
         notes.append(
             f"measured on a CPU with {env['cpu_count']} cores: each 'device' is one worker process, and the "
@@ -357,7 +365,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         choices=COMPARISONS,
         default=None,
         help="stacks: fsdp vs ddp+ep; dispatchers: alltoall vs rowwise; overlap: gradient "
-        "reduction overlap off vs on; precision: fp32 vs bf16; routing: learned vs random",
+        "reduction overlap off vs on; precision: bf16 vs fp32 vs mxfp8 (vs fp8_rowwise); routing: learned vs random",
     )
     parser.add_argument(
         "--sweep",

@@ -53,7 +53,7 @@ def device_peak(trainer: Trainer, probe_s: float, given: dict[str, float] | None
     bench run, with this rank's thread count) is used when present; otherwise
     every rank runs the probe at once and the mean over ranks is taken.
     """
-    precision = trainer.cfg.train.precision
+    precision = "fp32" if trainer.cfg.train.precision == "fp32" else "bf16"  # peaks: mxfp8 counts as bf16
     if trainer.device.type == "cuda":
         name = torch.cuda.get_device_name(trainer.device)
         spec = device_from_cuda_name(name)

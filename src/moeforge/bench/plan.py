@@ -96,7 +96,7 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     """
     m, moe = cfg.model, cfg.model.moe
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-    a = 2 if cfg.train.precision == "bf16" else 4
+    a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
     d, h, kv, hd = m.d_model, m.n_heads, m.kv_heads, m.dim_head
     r, k, f = _route_factor(cfg), moe.top_k, moe.expert_hidden
     # attention, measured per head and token (saved-tensor hooks): q/k/v projections, RoPE's halves and
@@ -178,7 +178,7 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
         optim = dense * b_o / dp + (expert / ep) * b_o / edp
         comm["reduce_scatter"] = _gather(dense * b_g, dp) + _gather(expert / ep * b_g, edp)
         comm["all_gather"] = _gather(dense * b_w, dp) + _gather(expert / ep * b_w, edp)
-        a = 2 if cfg.train.precision == "bf16" else 4
+        a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
         tokens = cfg.train.micro_batch_size * cfg.data.seq_len
         moe = cfg.model.moe
         rows = tokens * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a

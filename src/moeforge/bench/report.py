@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moeforge.bench.stability import stability_lines
+
 log = logging.getLogger(__name__)
 
 REQUIRED_VARIANT_KEYS = (
@@ -30,9 +32,11 @@ REQUIRED_VARIANT_KEYS = (
 )
 RATIO_METRICS = ("tokens_per_s", "tokens_per_s_per_device", "peak_mem_bytes")
 MXFP8_NOTE = (
-    "MXFP8 is not implemented in moeforge: no MXFP8 variant was run (the articles' +21% over BF16 "
-    "is not reproduced here)."
+    "mxfp8 runs torchao's MXFP8 GEMMs in the experts and dense linears (docs/precision.md); on a CPU, or a GPU "
+    "below SM100, they are emulated (quantize, dequantize, bf16 GEMM): same numerics, slower than bf16, so "
+    "its tokens/s there says nothing about the articles' +21% on B300s."
 )
+FP8_NOTE = "fp8_rowwise was not run: torchao's FP8 grouped GEMM needs a CUDA GPU of SM89 or newer."
 
 
 class InputMismatchError(ValueError):
@@ -185,6 +189,7 @@ def markdown_tables(results: dict[str, Any]) -> str:
     if ratios.get("headline"):
         lines.append(f"**{ratios['headline']['label']}: {ratios['headline']['value']:.2f}x**")
         lines.append("")
+    lines += stability_lines(variants)
     failed = [v for v in variants if v.get("error")]
     for v in failed:
         lines.append(f"- variant `{v['name']}` failed: {str(v['error']).strip().splitlines()[-1]}")

@@ -57,8 +57,10 @@ from moeforge.bench.measure import (
     sync,
     time_checkpoint,
 )
+from moeforge.bench.stability import activation_maxima, grad_norm_spikes
 from moeforge.config import load_config, save_config
 from moeforge.data import ShardedLoader, TokenWindows
+from moeforge.ops.lowp import QUANT_OPS
 from moeforge.parallel.pipeline_timing import WaitTimer, p2p_wait_timer
 from moeforge.train.balance import per_layer_metrics
 from moeforge.train.schedule import lr_at
@@ -125,6 +127,22 @@ def step_record(trainer: Trainer, result: Any, seconds: float) -> dict[str, Any]
     }
 
 
+def stability_record(trainer: Trainer, micro_batch: Tensor, grad_norms: list[float], steps: int) -> dict[str, Any]:
+    """The numerical-stability signals (:mod:`moeforge.bench.stability`) of the timed steps just run."""
+    lowp = trainer.lowp
+    ops = {k: n / steps for k, n in QUANT_OPS.items()}  # the timed steps' GEMMs, before the probe forward
+    acts: list[float] = []
+    if trainer.pipeline is None:  # one forward of the whole model on this rank's first micro-batch
+        model = trainer.model
+        acts = activation_maxima(model, model.blocks(), micro_batch[:, :-1].to(trainer.device), trainer._autocast())
+    return {
+        "kernels": None if lowp is None else ("emulated" if lowp.emulated else "native"),
+        "quant_ops_per_step": ops,
+        "grad_norm_spikes": grad_norm_spikes(grad_norms),
+        "act_max_per_block": acts,
+    }
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -153,6 +171,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     load, load_sources = None, 0
     sync(device)
     barrier(mesh)
+    QUANT_OPS.clear()
     t0 = time.perf_counter()
     records: list[dict[str, Any]] = []
     waits = p2p_wait_timer() if trainer.pipeline is not None else contextlib.nullcontext(WaitTimer())
@@ -182,6 +201,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         {k.split("/", 2)[2]: v for k, v in balance.items() if k.startswith(f"moe/layer{i}/")} for i in range(n_layers)
     ]
     mem, mem_kind = peak_memory_bytes(device)
+    stability = stability_record(trainer, batches[0][0], grad_norms, args.steps)
 
     comm_local, profiled_local = float("nan"), float("nan")
     if args.profile:
@@ -288,6 +308,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "grad_norms": grad_norms,
         "skipped_steps": skipped,
         "final_loss": losses[-1],
+        "stability": stability,
         "_is_main": trainer.is_main,
     }
 

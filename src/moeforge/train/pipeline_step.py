@@ -49,7 +49,7 @@ def build_pipeline(
         train_loss=lambda logits, targets: lm_loss_fn(logits, targets, upcast=False),
         eval_loss=lm_loss_fn,
         hidden_dtype=params,
-        logits_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else params,
+        logits_dtype=params if cfg.train.precision == "fp32" else torch.bfloat16,
         chunk_modules=chunk_modules,
         placement=stage_ranks(cfg.parallel.pp, cfg.parallel.pp_stages_per_rank, cfg.parallel.pp_schedule),
     )

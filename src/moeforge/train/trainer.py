@@ -17,6 +17,7 @@ from torch import Tensor
 from moeforge.config import Config, ConfigError, save_config
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
 from moeforge.model import MoETransformer, build_model
+from moeforge.parallel.low_precision import apply_low_precision
 from moeforge.parallel.memory import SavedTensorMeter, measure_state
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.parallelize import build_stack
@@ -90,6 +91,7 @@ class Trainer:
         if self.mesh.pp > 1:
             self.plan = rank_stages(cfg, self.mesh.pp_rank)
             carve_stages(model, self.plan)  # only this rank's stages' parts stay (parameter names unchanged)
+        self.lowp = apply_low_precision(model, cfg, self.device)  # mxfp8 / fp8_rowwise GEMMs (None otherwise)
         self.stack: TrainingStack = build_stack(model, cfg, self.mesh)
         self.model: MoETransformer = model
         self.pipeline: PipelineRunner | None = None
@@ -113,7 +115,7 @@ class Trainer:
         self.memory: dict[str, Any] | None = None  # measured after the first step (RUN/memory.json)
         self.activation_bytes = 0  # saved for backward by the first micro-batch (not measured under pp)
         self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
-        self.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        self.autocast_dtype = None if cfg.train.precision == "fp32" else torch.bfloat16  # lowp: the rest in bf16
         # creating the manager is collective (async save makes its own group): every rank, same point
         self.checkpointer = CheckpointManager(
             self.run_dir, cfg.train.keep_last, cfg.train.async_save, self.device, mesh=self.mesh
