@@ -72,7 +72,9 @@ class FSDPStack(TrainingStack):
         self.model = apply_fsdp(
             model, mesh, DTYPES[cfg.train.param_dtype], DTYPES[p.grad_reduce_dtype], p.fsdp_reshard_after_forward
         )
-        self.optimizer = build_adamw(optim_param_groups(self.model, cfg.optim.weight_decay), cfg)
+        self.optimizer = build_adamw(
+            optim_param_groups(self.model, cfg.optim.weight_decay, cfg.optim.expert_lr_scale), cfg
+        )
 
     def set_grad_sync(self, enabled: bool) -> None:
         self.model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
