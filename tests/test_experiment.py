@@ -45,7 +45,7 @@ def _run(name: str, out: Path, config: Path, *extra: str) -> dict:
         assert (out / "runs" / run["name"] / "metrics.jsonl").is_file()
         assert run["steps"] == 5 and run["tokens"] == 5 * 8 * 32
         assert math.isfinite(run["val_bpb"]) and run["val_bpb"] > 0
-        assert run["median_tokens_per_s"] > 0 and run["commit"] == result["commit"]
+        assert run["median_tokens_per_s"] > 0 and run["commit"]  # each run records the commit it ran at
         assert run["config"]["train"]["max_steps"] == 5
         assert f"| {run['name']} |" in md and run["command"] in md
     return result
