@@ -31,6 +31,7 @@ LEVELS = {
     "train": 5,
     "report": 6,
     "bench": 7,  # its pages use the report's plots
+    "experiment": 7,  # runs `moeforge train` per variant, tables from the report's readers
     "testing": 8,
     "launch": 8,
     "cli": 9,

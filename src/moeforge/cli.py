@@ -1,4 +1,4 @@
-"""``moeforge <command>``: train, prepare, generate, convert, report, plan, bench."""
+"""``moeforge <command>``: train, prepare, generate, convert, report, plan, bench, experiment."""
 
 from __future__ import annotations
 
@@ -206,7 +206,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_report_command(sub)
     _add_bench_commands(sub)
+    _add_experiment_command(sub)
     return parser
+
+
+def _add_experiment_command(sub: argparse._SubParsersAction) -> None:
+    from moeforge.experiment.runner import add_experiment_arguments, cmd_experiment
+
+    p = sub.add_parser(
+        "experiment",
+        help="training-quality experiments: dense, expert-lr, balance, gerrymander (docs/quality.md)",
+        description="Train every variant of experiment NAME (the base --config plus the variant's overrides, "
+        "plus any --section.field=value given here) into OUT/runs/, then write OUT/results.md and "
+        "OUT/results.json: val_bpb, tokens/s, parameters, load balance, commit and config of each run.",
+        epilog=EXIT_CODES_HELP,
+    )
+    add_experiment_arguments(p)
+    p.set_defaults(func=cmd_experiment)
 
 
 def _add_bench_commands(sub: argparse._SubParsersAction) -> None:

@@ -154,6 +154,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
     _check(0 < o.decay_fraction <= 1, "optim.decay_fraction", "must be in (0, 1]")
+    _check(o.expert_lr_scale > 0, "optim.expert_lr_scale", "must be > 0 (1.0: experts get the base lr)")
 
     t = cfg.train
     _check(t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")

@@ -8,7 +8,7 @@ from moeforge.config import Config
 from moeforge.parallel.grad_buckets import GradReducer
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.optimizer import DistributedOptimizer
-from moeforge.parallel.stack import DTYPES, TrainingStack, optim_param_groups
+from moeforge.parallel.stack import DTYPES, TrainingStack, optim_param_groups, scale_initial_lr
 
 
 class DDPStack(TrainingStack):
@@ -31,7 +31,7 @@ class DDPStack(TrainingStack):
         self.reducer = GradReducer(model, mesh, p.bucket_size_mb, overlap=p.overlap_grad_reduce, grad_dtype=grad_dtype)
         o = cfg.optim
         self.optimizer = DistributedOptimizer(
-            optim_param_groups(model, o.weight_decay),
+            scale_initial_lr(optim_param_groups(model, o.weight_decay, o.expert_lr_scale), o.lr),
             self.reducer,
             lr=o.lr,
             betas=(o.beta1, o.beta2),

@@ -74,7 +74,9 @@ class FSDPStack(TrainingStack):
         self.model = apply_fsdp(
             model, mesh, DTYPES[cfg.train.param_dtype], DTYPES[p.grad_reduce_dtype], p.fsdp_reshard_after_forward
         )
-        self.optimizer = build_adamw(optim_param_groups(self.model, cfg.optim.weight_decay), cfg)
+        self.optimizer = build_adamw(
+            optim_param_groups(self.model, cfg.optim.weight_decay, cfg.optim.expert_lr_scale), cfg
+        )
         self.pp_group = mesh.pp_group  # the stage's norm is summed over the stages (None without pp)
 
     def set_grad_sync(self, enabled: bool) -> None:

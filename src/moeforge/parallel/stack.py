@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config
-from moeforge.model.params import NO_DECAY, named_parameter_roles
+from moeforge.model.params import EXPERT, NO_DECAY, named_parameter_roles
 from moeforge.parallel.flat_shards import snapshot
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -33,21 +33,44 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def optim_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups by parameter role: decay on matrices; none on norms, biases and embeddings."""
-    decay, no_decay = [], []
+def optim_param_groups(model: nn.Module, weight_decay: float, expert_lr_scale: float = 1.0) -> list[dict]:
+    """AdamW groups by parameter role: decay on matrices; none on norms, biases and embeddings.
+
+    Every group carries ``lr_scale`` (its lr is the schedule's lr times it, see
+    :meth:`TrainingStack.set_lr`). With ``expert_lr_scale != 1`` the routed
+    experts' weights form a third group (decayed, ``lr_scale=expert_lr_scale``);
+    at 1.0 they stay in the decay group, so the groups are those of earlier releases.
+    """
+    decay, no_decay, expert = [], [], []
     for _, p, role in named_parameter_roles(model):
-        if p.requires_grad:
-            (no_decay if role == NO_DECAY else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        if not p.requires_grad:
+            continue
+        if role == NO_DECAY:
+            no_decay.append(p)
+        elif role == EXPERT and expert_lr_scale != 1.0:
+            expert.append(p)
+        else:
+            decay.append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
     ]
+    if expert:
+        groups.append({"params": expert, "weight_decay": weight_decay, "lr_scale": expert_lr_scale})
+    return groups
+
+
+def scale_initial_lr(groups: list[dict], lr: float) -> list[dict]:
+    """Give every group its starting ``lr`` (the base lr times its ``lr_scale``)."""
+    for g in groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+    return groups
 
 
 def build_adamw(params: list[dict], cfg: Config) -> torch.optim.AdamW:
     """torch AdamW with the config's hyper-parameters."""
     o = cfg.optim
+    params = scale_initial_lr(params, o.lr)
     return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
 
 
@@ -96,9 +119,9 @@ class TrainingStack:
         self.optimizer.zero_grad(set_to_none=True)
 
     def set_lr(self, lr: float) -> None:
-        """Set the learning rate of every parameter group."""
+        """Set the learning rate of every parameter group: ``lr`` times the group's ``lr_scale``."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
 
     def optimizer_state_dict(self, copy: bool = False) -> dict[str, Tensor]:
         """The optimizer state in the canonical checkpoint keys; views of the live state unless ``copy``.
@@ -124,4 +147,4 @@ class LocalStack(TrainingStack):
 
     def __init__(self, model: nn.Module, cfg: Config) -> None:
         self.model = model
-        self.optimizer = build_adamw(optim_param_groups(model, cfg.optim.weight_decay), cfg)
+        self.optimizer = build_adamw(optim_param_groups(model, cfg.optim.weight_decay, cfg.optim.expert_lr_scale), cfg)

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from moeforge.report.balance_check import balance_trend
 from moeforge.report.plots import Plot, render_plots
 from moeforge.report.run_data import RunData, load_run
 
@@ -67,12 +68,15 @@ def render_html(run: RunData, plots: list[Plot], omitted: list[str] | None = Non
     """The whole page as one string (no external resources)."""
     env_rows = [(k, _fmt(v)) for k, v in run.env.items()] or [("environment", "not recorded (no env.json)")]
     config = run.config_text or "(no config.yaml in the run directory)"
+    trend = balance_trend(run)
+    balance = [] if trend is None else ["<h2>Load balance</h2>", f"<p><b>{html.escape(trend.message)}</b></p>"]
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>moeforge report: {html.escape(run.run_dir.name)}</title><style>{_CSS}</style></head><body>",
         f"<h1>moeforge run report</h1><div class='sub'>{html.escape(str(run.run_dir))}</div>",
         "<h2>Summary</h2>",
         _table(_headline(run), "kpi"),
+        *balance,
         "<h2>Plots</h2>",
         *(_figure(p) for p in plots),
         *([f"<p class='sub'>Not in this run's metrics: {html.escape(', '.join(omitted))}.</p>"] if omitted else []),
@@ -101,6 +105,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         "records": len(run.records),
         "plots": {p.key: p.points for p in plots},
         "omitted": omitted,
+        "balance": None if (trend := balance_trend(run)) is None else trend.to_dict(),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return page
