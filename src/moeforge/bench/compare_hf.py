@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from moeforge.bench.alternate import alternate_timed, summarize
+from moeforge.bench.energy import EnergyMeter, energy_record
 from moeforge.bench.flops import flops_per_token
 from moeforge.bench.peers import hf_causal_lm, transformers_version
 from moeforge.config import ModelConfig
@@ -121,11 +122,13 @@ def compare_steps(
     tokens = batch * seq_len
     fpt = flops_per_token(cfg, seq_len)
     results: dict[str, Any] = {}
+    meter = EnergyMeter(device)
     for mode in modes:
         log.info("compare hf: mode %s", mode)
         contenders = _contenders(cfg, mode, seed, device, lr)
         fns = {name: (lambda i, c=c: c.step(batches[i])) for name, c in contenders.items()}
-        times = alternate_timed(fns, warmup, steps, device)
+        joules: dict[str, float | None] = {}
+        times = alternate_timed(fns, warmup, steps, device, meter, joules)
         row: dict[str, Any] = {}
         for name, c in contenders.items():
             s = summarize(times[name], tokens)
@@ -139,6 +142,7 @@ def compare_steps(
                 "last_loss": c.losses[-1],
                 "input_hash": batch_hash(c.seen),
                 "mfu": None if not peak_tflops else s["per_s"] * fpt / 1e12 / peak_tflops,
+                "energy": energy_record(joules[name], sum(times[name]), tokens * steps, meter),
             }
         row["ratio"] = row["moeforge"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
         row["same_inputs"] = row["moeforge"]["input_hash"] == row["hf"]["input_hash"]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from moeforge.bench.alternate import alternate_timed, summarize
+from moeforge.bench.energy import EnergyMeter, energy_record
 from moeforge.bench.peers import TORCHTITAN_NOTE, hf_moe_block, transformers_version
 from moeforge.config import MoEConfig
 from moeforge.model.moe import MoELayer
@@ -99,13 +100,15 @@ def compare_layer(
         "moeforge": lambda i: forward_backward(ours, x, grad),
         "hf": lambda i: forward_backward(hf, x, grad),
     }
-    times = alternate_timed(fns, warmup, steps, device)
+    meter, joules = EnergyMeter(device), {}
+    times = alternate_timed(fns, warmup, steps, device, meter, joules)
     flops = 6.0 * tokens * (moe.top_k * 3 * d_model * moe.expert_hidden + d_model * moe.num_experts)
     rows = {}
     for name, t in times.items():
         s = summarize(t, tokens)
         rows[name] = {"tokens_per_s": s["per_s"], "s_median": s["median_s"], "s_min": s["min_s"], "s": t}
         rows[name]["tflops"] = flops / s["median_s"] / 1e12
+        rows[name]["energy"] = energy_record(joules[name], sum(t), tokens * steps, meter)
     ratio = rows["moeforge"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
     log.info("compare hf_layer: moeforge / hf = %.3fx (agreement %s)", ratio, agree)
     return {
