@@ -1,4 +1,4 @@
-"""Energy counters (RAPL wrap-around, null with a reason) and the disk probe the checkpoint figures are taken against."""
+"""Energy counters (RAPL wrap-around, null with a reason) and the disk probe behind the checkpoint figures."""
 
 from __future__ import annotations
 
