@@ -33,7 +33,7 @@ from moeforge.train.environment import collect_env
 
 log = logging.getLogger(__name__)
 
-COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing", "pipeline")
+COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing", "pipeline", "hf", "hf_layer")
 DEFAULT_CONFIGS = {
     "stacks": "stacks.yaml",
     "dispatchers": "stacks.yaml",
@@ -41,6 +41,8 @@ DEFAULT_CONFIGS = {
     "precision": "stacks.yaml",
     "routing": "stacks.yaml",
     "pipeline": "stacks.yaml",
+    "hf": "hf.yaml",
+    "hf_layer": "hf.yaml",
     "sweep": "experts.yaml",
     None: "stacks.yaml",
 }
@@ -292,12 +294,16 @@ def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.warmup < 0 or args.steps < 1:
         raise ConfigError(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
-    variants, kind, reference = plan_variants(args)
     base = (
         Path(args.config)
         if args.config
         else default_config(args.compare if args.compare else ("sweep" if args.sweep else None))
     )
+    if args.compare in ("hf", "hf_layer"):  # one process, both models side by side
+        from moeforge.bench.inprocess import run_inprocess
+
+        return run_inprocess(args, extra, base)
+    variants, kind, reference = plan_variants(args)
     out = Path(args.out)
     configs = [resolve_config(base, extra, v, args) for v in variants]  # every mistake before any launch
     from moeforge.data import prepare_data
@@ -365,7 +371,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         choices=COMPARISONS,
         default=None,
         help="stacks: fsdp vs ddp+ep; dispatchers: alltoall vs rowwise; overlap: gradient "
-        "reduction overlap off vs on; precision: bf16 vs fp32 vs mxfp8 (vs fp8_rowwise); routing: learned vs random",
+        "reduction overlap off vs on; precision: bf16 vs fp32 vs mxfp8 (vs fp8_rowwise); routing: learned vs random; "
+        "pipeline: pp=1 vs pp=2 with each schedule; "
+        "hf: a training step against transformers' Qwen3-MoE (fp32, bf16 autocast, bf16 params); "
+        "hf_layer: the MoE layer alone against Qwen3MoeSparseMoeBlock (both in one process)",
     )
     parser.add_argument(
         "--sweep",
@@ -382,6 +391,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nproc", type=int, default=2, help="processes per variant (default 2)")
     parser.add_argument("--ep", type=int, default=0, help="expert-parallel degree of ddp variants (default: nproc)")
+    parser.add_argument("--threads", type=int, default=1, help="threads of --compare hf/hf_layer (default 1)")
     parser.add_argument("--random-routing", action="store_true", help="route every token to random experts")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")

@@ -3,9 +3,11 @@ checkpoint save/load times. Every function that takes the trainer is collective 
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,7 +134,36 @@ def time_checkpoint(trainer: Trainer) -> dict[str, float]:
     load = timed(trainer.maybe_resume, trainer)
     path = checkpoints_dir(trainer.run_dir) / step_name(trainer.step)
     nbytes = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if trainer.is_main else 0
+    raw_s = disk_write_probe(path.parent, nbytes) if trainer.is_main and nbytes else float("nan")
     barrier(trainer.mesh)
     if trainer.is_main:
         shutil.rmtree(path.parent, ignore_errors=True)  # the run's checkpoints directory
-    return {"blocking_s": blocking, "total_s": total, "load_s": load, "bytes": float(nbytes)}
+    return {
+        "blocking_s": blocking,
+        "total_s": total,
+        "load_s": load,
+        "bytes": float(nbytes),
+        "raw_write_s": raw_s,
+        # the save's bandwidth as a fraction of the disk's raw sequential write+fsync of the same bytes
+        "save_fraction_of_raw": raw_s / total if total > 0 else float("nan"),
+        "blocking_fraction_of_save": blocking / total if total > 0 else float("nan"),
+    }
+
+
+def disk_write_probe(directory: Path, nbytes: int, chunk: int = 8 << 20) -> float:
+    """Seconds to write ``nbytes`` sequentially into a new file in ``directory`` and fsync it (file removed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / ".disk_probe"
+    block = os.urandom(min(chunk, max(nbytes, 1)))
+    t0 = time.perf_counter()
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[: min(left, len(block))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    probe.unlink(missing_ok=True)
+    return seconds

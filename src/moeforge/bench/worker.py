@@ -21,6 +21,8 @@ under ``torchrun``; rank 0 writes ``D/result.json``. What one run does, in order
    the wall time during which at least one collective was in flight (union of
    ``gloo:*`` events on CPU, of NCCL kernels on GPU). It is kept out of the
    throughput numbers, since profiling slows the step.
+   Energy over the timed steps (:mod:`moeforge.bench.energy`: NVML per GPU, RAPL per CPU package)
+   goes into ``energy`` (joules per token, average power), null with the reason where unreadable.
 6. Saves a checkpoint with the trainer's checkpoint manager and loads it with
    ``trainer.maybe_resume()``. The save's *blocking* time is what the training
    loop waits for (with ``train.async_save``: the CPU snapshot only, the
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
+from moeforge.bench.energy import EnergyMeter, rank_energy
 from moeforge.bench.flops import flops_per_token, model_tflops_per_s, param_counts
 from moeforge.bench.measure import (
     all_reduce,
@@ -169,9 +172,11 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         trainer.run_step(batches[i])
     losses, grad_norms, step_times, skipped = [], [], [], 0
     load, load_sources = None, 0
+    meter = EnergyMeter(device)
     sync(device)
     barrier(mesh)
     QUANT_OPS.clear()
+    e0 = meter.read()
     t0 = time.perf_counter()
     records: list[dict[str, Any]] = []
     waits = p2p_wait_timer() if trainer.pipeline is not None else contextlib.nullcontext(WaitTimer())
@@ -188,6 +193,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             load_sources += result.load_sources
             records.append(step_record(trainer, result, step_times[-1]))
     elapsed_local = time.perf_counter() - t0
+    e1 = meter.read()
+    joules_local = e1 - e0 if e0 is not None and e1 is not None else float("nan")
     for record in records:  # RUN/metrics.jsonl of the timed steps, written after the timing: `moeforge report`
         trainer.metrics.write(record)
     if trainer.is_main:
@@ -215,13 +222,23 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         comm_local = collective_seconds(prof)
 
     save_s = save_blocking_s = load_s = ckpt_bytes = None
+    ckpt_disk: dict[str, float] = {}
     if args.checkpoint:
         ckpt = time_checkpoint(trainer)
         save_blocking_s, save_s, load_s = ckpt["blocking_s"], ckpt["total_s"], ckpt["load_s"]
         ckpt_bytes = int(ckpt["bytes"]) if trainer.is_main else None
+        ckpt_disk = {k: ckpt[k] for k in ("raw_write_s", "save_fraction_of_raw", "blocking_fraction_of_save")}
 
     bubble_local = waited.seconds / elapsed_local  # time this rank idled waiting for its pipeline peers
-    ranks = per_rank([mem, comm_local, profiled_local, bubble_local], trainer)
+    ranks = per_rank([mem, comm_local, profiled_local, bubble_local, joules_local], trainer)
+    energy = rank_energy(
+        [r[4] for r in ranks],
+        device,
+        elapsed,
+        cfg.train.global_batch_size * cfg.data.seq_len * args.steps,
+        meter,
+        mesh.world_size,
+    )
     seq_len, world = cfg.data.seq_len, mesh.world_size
     tokens_per_step = cfg.train.global_batch_size * seq_len
     tokens_per_s = tokens_per_step * args.steps / elapsed
@@ -292,10 +309,14 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         # pipeline: seconds a rank blocked on P2P waits / the timed steps' time (0 without pp)
         "bubble_frac": sum(r[3] for r in ranks) / len(ranks),
         "bubble_frac_per_rank": [r[3] for r in ranks],
+        "energy": energy,
         "ckpt_save_s": save_s,
         "ckpt_save_blocking_s": save_blocking_s,
         "ckpt_load_s": load_s,
         "ckpt_bytes": ckpt_bytes,
+        "ckpt_raw_write_s": ckpt_disk.get("raw_write_s"),  # write+fsync of the same bytes, same disk, same run
+        "ckpt_save_fraction_of_raw": ckpt_disk.get("save_fraction_of_raw"),
+        "ckpt_blocking_fraction_of_save": ckpt_disk.get("blocking_fraction_of_save"),
         "expert_load_max_over_mean": worst("expert_imbalance"),
         "ep_rank_load_max_over_mean": worst("rank_imbalance"),
         # every MoE layer routes the same N * k routes, so the mean over layers is the overall fraction

@@ -33,8 +33,15 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offsets)
         if ctx.needs_input_grad[1]:
-            # (K, rows) x (rows, N) grouped over rows -> (G, K, N)
-            dw = torch._grouped_mm(x.t(), grad, offs=offsets).to(w.dtype)
+            if w.transpose(-2, -1).is_contiguous():
+                # w is the transposed view of a (G, N, K) weight (the experts' layout): compute the
+                # gradient in that storage order, (N, rows) x (rows, K) -> (G, N, K), and hand back its
+                # transposed view, so that accumulating it into the weight's .grad needs no strided copy
+                dw = torch._grouped_mm(grad.t(), x, offs=offsets).transpose(-2, -1)
+            else:
+                # (K, rows) x (rows, N) grouped over rows -> (G, K, N)
+                dw = torch._grouped_mm(x.t(), grad, offs=offsets)
+            dw = dw.to(w.dtype)
         return dx, dw, None
 
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU check of moeforge on one CUDA GPU, in under 8 minutes; needs no network.
+#   bash scripts/gpu_check.sh [OUT_DIR]        (default runs/gpu_check)
+# 1. the CUDA-capable test subset: pytest -m cuda --device cuda (tests/test_device.py);
+# 2. python -m moeforge.bench.cuda_check: the rowwise dispatcher under
+#    torch.cuda.set_sync_debug_mode("error"), the MoE layer and the full training step against
+#    Hugging Face's Qwen3-MoE in bf16, MFU against the datasheet peak.
+# It uses the first python that imports torch with CUDA: $PYTHON if set, then python3 (the GPU
+# machine's /opt/torch/.venv), then this checkout's .venv. Where none sees a GPU it prints one line
+# and exits 0. Paste what it prints into docs/benchmarks.md with the date and the commit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-runs/gpu_check}"
+candidates=("${PYTHON:-}" python3 /opt/torch/.venv/bin/python3 .venv/bin/python python)
+py=""
+for c in "${candidates[@]}"; do
+  [ -n "$c" ] || continue
+  command -v "$c" >/dev/null 2>&1 || continue
+  if "$c" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+    py="$c"
+    break
+  fi
+done
+if [ -z "$py" ]; then
+  echo "gpu_check: no CUDA GPU visible to any python here (tried \$PYTHON, python3, /opt/torch/.venv, .venv); nothing to check"
+  exit 0
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+mkdir -p "$out"
+echo "gpu_check: $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), python $py"
+"$py" -c "import torch, transformers; print('gpu_check: torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'device', torch.cuda.get_device_name(0))"
+status=0
+timeout 240 "$py" -m pytest -q -p no:cacheprovider -m cuda --device cuda tests/test_device.py 2>&1 | tail -25 || status=1
+timeout 240 "$py" -m moeforge.bench.cuda_check --out "$out" 2> "$out/cuda_check.log" || status=1
+echo "gpu_check: done (exit $status); log $out/cuda_check.log"
+exit $status

@@ -1,0 +1,183 @@
+"""``moeforge bench --compare hf``: a full training step of moeforge against Hugging Face's Qwen3-MoE.
+
+Both models are built from the same model config and hold the same weights (the HF one is the
+moeforge model exported with ``to_hf`` and loaded with ``from_pretrained``, experts
+``grouped_mm``, attention ``sdpa``). In one process, with the same thread count, each mode runs
+both models on the same token batches with the same ``torch.optim.AdamW``, alternating step by
+step (:func:`moeforge.bench.alternate.alternate_timed`). A step is zero-grad, forward, loss
+(next-token cross-entropy by :func:`moeforge.train.losses.lm_loss_fn` plus each model's own
+load-balancing loss: moeforge's aux + z loss, HF's ``aux_loss``), backward and the optimizer step.
+
+Modes: ``fp32`` (fp32 weights), ``bf16_autocast`` (fp32 weights under bf16 autocast, the
+cross-entropy on the bf16 logits as moeforge's trainer does), ``bf16_params`` (bf16 weights and
+AdamW states, no autocast). Per mode it reports tokens/s of both, the ratio moeforge / HF, MFU
+against the bf16 matmul peak, the hash of the batches each model consumed, and each model's
+first-step loss (they agree in fp32: same weights, same tokens).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from moeforge.bench.alternate import alternate_timed, summarize
+from moeforge.bench.energy import EnergyMeter, energy_record
+from moeforge.bench.flops import flops_per_token
+from moeforge.bench.peers import hf_causal_lm, transformers_version
+from moeforge.config import ModelConfig
+from moeforge.model import build_model
+from moeforge.train.losses import lm_loss_fn, moe_aux_terms
+
+log = logging.getLogger(__name__)
+
+MODES = ("fp32", "bf16_autocast", "bf16_params")
+
+
+def token_batches(vocab: int, batch: int, seq_len: int, n: int, seed: int, device: torch.device) -> list[Tensor]:
+    """``n`` batches ``(batch, seq_len + 1)`` of uniform token ids from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq_len + 1), generator=g).to(device) for _ in range(n)]
+
+
+def batch_hash(batches: list[Tensor]) -> str:
+    """sha256 of the batches' token ids (little-endian int64), in order."""
+    h = hashlib.sha256()
+    for b in batches:
+        h.update(str(tuple(b.shape)).encode())
+        h.update(b.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8", copy=False).tobytes())
+    return h.hexdigest()
+
+
+class _Contender:
+    """One model + AdamW; ``step(i)`` trains on batch ``i`` and records the batches and losses it saw."""
+
+    def __init__(self, model: nn.Module, is_hf: bool, mode: str, aux_coef: float, lr: float) -> None:
+        self.model, self.is_hf, self.mode, self.aux_coef = model, is_hf, mode, aux_coef
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+        self.seen: list[Tensor] = []
+        self.losses: list[float] = []
+        self.lm_losses: list[float] = []
+
+    def loss(self, batch: Tensor) -> tuple[Tensor, Tensor]:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        upcast = self.mode != "bf16_autocast"
+        if self.is_hf:
+            out = self.model(input_ids=inputs, output_router_logits=True, use_cache=False)
+            lm = lm_loss_fn(out.logits, targets, upcast=upcast)
+            return lm + self.aux_coef * out.aux_loss.float(), lm
+        lm = lm_loss_fn(self.model(inputs), targets, upcast=upcast)
+        weighted_aux, _, _ = moe_aux_terms(self.model)
+        return lm + weighted_aux, lm
+
+    def step(self, batch: Tensor) -> None:
+        self.seen.append(batch)
+        self.opt.zero_grad(set_to_none=True)
+        dev = batch.device.type
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.mode == "bf16_autocast"):
+            loss, lm = self.loss(batch)
+        loss.backward()
+        self.opt.step()
+        self.losses.append(float(loss.detach()))
+        self.lm_losses.append(float(lm.detach()))
+
+
+def _contenders(cfg: ModelConfig, mode: str, seed: int, device: torch.device, lr: float) -> dict[str, _Contender]:
+    ours = build_model(cfg, seed=seed, device=device).train()
+    hf = hf_causal_lm(copy.deepcopy(ours).cpu(), device)
+    if mode == "bf16_params":
+        ours, hf = ours.to(torch.bfloat16), hf.to(torch.bfloat16)
+    return {
+        "moeforge": _Contender(ours, False, mode, cfg.moe.aux_loss_coef, lr),
+        "hf": _Contender(hf, True, mode, cfg.moe.aux_loss_coef, lr),
+    }
+
+
+def compare_steps(
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    *,
+    modes: tuple[str, ...] = MODES,
+    warmup: int = 2,
+    steps: int = 5,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    peak_tflops: float | None = None,
+    lr: float = 1e-4,
+) -> dict[str, Any]:
+    """Time moeforge and HF Qwen3-MoE training steps side by side in each of ``modes``; one result dict.
+
+    ``peak_tflops`` (per device, the bf16 matmul peak) makes each mode report MFU.
+    """
+    device = torch.device(device)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"compare_steps: modes must be among {MODES}, got {bad}")
+    batches = token_batches(cfg.vocab_size, batch, seq_len, warmup + steps, seed, device)
+    tokens = batch * seq_len
+    fpt = flops_per_token(cfg, seq_len)
+    results: dict[str, Any] = {}
+    meter = EnergyMeter(device)
+    for mode in modes:
+        log.info("compare hf: mode %s", mode)
+        contenders = _contenders(cfg, mode, seed, device, lr)
+        fns = {name: (lambda i, c=c: c.step(batches[i])) for name, c in contenders.items()}
+        joules: dict[str, float | None] = {}
+        times = alternate_timed(fns, warmup, steps, device, meter, joules)
+        row: dict[str, Any] = {}
+        for name, c in contenders.items():
+            s = summarize(times[name], tokens)
+            row[name] = {
+                "tokens_per_s": s["per_s"],
+                "step_s_median": s["median_s"],
+                "step_s_min": s["min_s"],
+                "step_s": times[name],
+                "first_loss": c.losses[0],
+                "first_lm_loss": c.lm_losses[0],
+                "last_loss": c.losses[-1],
+                "input_hash": batch_hash(c.seen),
+                "mfu": None if not peak_tflops else s["per_s"] * fpt / 1e12 / peak_tflops,
+                "energy": energy_record(joules[name], sum(times[name]), tokens * steps, meter),
+            }
+        row["ratio"] = row["moeforge"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+        row["same_inputs"] = row["moeforge"]["input_hash"] == row["hf"]["input_hash"]
+        results[mode] = row
+        log.info("compare hf: %s: moeforge / hf = %.3fx", mode, row["ratio"])
+    return {
+        "kind": "compare hf",
+        "transformers": transformers_version(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "batch": batch,
+        "seq_len": seq_len,
+        "warmup": warmup,
+        "steps": steps,
+        "flops_per_token": fpt,
+        "peak_tflops_bf16": peak_tflops,
+        "modes": results,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """A table of :func:`compare_steps`' result."""
+    lines = [
+        f"moeforge vs transformers {result['transformers']} Qwen3-MoE, full training step, "
+        f"{result['device']}, {result['threads']} thread(s), batch {result['batch']} x {result['seq_len']}",
+        "",
+        "| mode | moeforge tok/s | HF tok/s | moeforge / HF | moeforge MFU | HF MFU | same inputs "
+        "| first loss (ours, HF) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for mode, row in result["modes"].items():
+        ours, hf = row["moeforge"], row["hf"]
+        mfu = lambda r: "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"  # noqa: E731
+        lines.append(
+            f"| {mode} | {ours['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | {row['ratio']:.2f}x | "
+            f"{mfu(ours)} | {mfu(hf)} | {row['same_inputs']} | {ours['first_lm_loss']:.5f}, {hf['first_lm_loss']:.5f} |"
+        )
+    return "\n".join(lines) + "\n"
