@@ -24,12 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moeforge.parallel.grad_buckets import all_gather_single, reduce_scatter_single
+
 
 def _gather(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     n = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -39,7 +41,7 @@ def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     if moved.shape[0] % n:
         raise ValueError(f"reduce-scatter along dim {dim}: size {moved.shape[0]} does not divide by {n} ranks")
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
