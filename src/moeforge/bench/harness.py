@@ -32,13 +32,14 @@ from moeforge.train.environment import collect_env
 
 log = logging.getLogger(__name__)
 
-COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing")
+COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing", "tensor")
 DEFAULT_CONFIGS = {
     "stacks": "stacks.yaml",
     "dispatchers": "stacks.yaml",
     "overlap": "stacks.yaml",
     "precision": "stacks.yaml",
     "routing": "stacks.yaml",
+    "tensor": "stacks.yaml",
     "sweep": "experts.yaml",
     None: "stacks.yaml",
 }
@@ -48,6 +49,7 @@ SWEEP_KEYS = {
     "expert_hidden": ("model.moe.expert_hidden", "F"),
     "capacity_factor": ("model.moe.capacity_factor", "cf"),
     "ep": ("parallel.ep", "ep"),
+    "tp": ("parallel.tp", "tp"),
     "micro_batch_size": ("train.micro_batch_size", "mb"),
 }
 
@@ -86,6 +88,11 @@ def comparison_variants(kind: str, nproc: int, ep: int) -> list[Variant]:
         return [
             Variant(f"{base}+learned", nproc, [*ddp, "--model.moe.random_routing=false"]),
             Variant(f"{base}+random", nproc, [*ddp, "--model.moe.random_routing=true"]),
+        ]
+    if kind == "tensor":  # expert parallelism over data ranks vs tensor parallelism (dp = nproc / 2)
+        return [
+            Variant(base, nproc, ddp),
+            Variant("tp2", nproc, ["--parallel.stack=ddp", "--parallel.ep=1", "--parallel.tp=2"]),
         ]
     raise ConfigError(f"--compare: must be one of {', '.join(COMPARISONS)}, got {kind!r}")
 

@@ -33,9 +33,11 @@ import functools
 import logging
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moeforge.config import ModelConfig
 from moeforge.config_validation import ConfigError
 from moeforge.model.attention import Attention
 from moeforge.model.layers import SwiGLU
@@ -131,3 +133,35 @@ def parallelize_tensor(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
         model.cfg.kv_heads // mesh.tp,
     )
     return model
+
+
+def tensor_parallel_numel(cfg: ModelConfig) -> int:
+    """Parameters :func:`parallelize_tensor` splits over tp (the rest is replicated), from a meta-device build.
+
+    Attention projections (and the 'full' QK-norm), dense MLPs, shared experts, the embedding and an
+    untied LM head; norms, routers, shared-expert gates and routed experts stay whole on every tp rank.
+    """
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    seen: set[int] = set()
+    total = 0
+
+    def add(*modules: nn.Module | None) -> None:
+        nonlocal total
+        for m in modules:
+            for p in m.parameters() if m is not None else ():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+
+    add(model.embed_tokens, model.lm_head)
+    for block in model.blocks():
+        attn = block.self_attn
+        add(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        if attn.qk_norm == "full":
+            add(attn.q_norm, attn.k_norm)
+        if isinstance(block.mlp, MoELayer):
+            add(block.mlp.shared_expert)
+        else:
+            add(block.mlp)
+    return total
