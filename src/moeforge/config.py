@@ -143,7 +143,7 @@ class ParallelConfig:
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"  # torch.distributed.pipelining schedule
     pp_stages_per_rank: int = 1  # virtual stages per rank: >= 2 for interleaved_1f1b, 2 for zbv (the V)
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per stage; empty: balance training FLOPs
-    tp: int = 1  # tensor-parallel degree (only 1 is implemented)
+    tp: int = 1  # tensor-parallel degree: attention, dense MLPs and head split over tp ranks (ddp stack, pp=1)
     cp: int = 1  # context-parallel degree (only 1 is implemented)
     stack: Literal["ddp", "fsdp"] = "ddp"  # expert-resident DDP with a distributed optimizer, or FSDP2
     overlap_grad_reduce: bool = True  # ddp: reduce gradient buckets during the backward pass

@@ -167,12 +167,8 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
 
     p = cfg.parallel
-    for name in ("tp", "cp"):
-        _check(
-            getattr(p, name) == 1,
-            f"parallel.{name}",
-            f"only 1 is supported in this release, got {getattr(p, name)}",
-        )
+    _check(p.cp == 1, "parallel.cp", f"only 1 is supported in this release, got {p.cp}")
+    check_tp(cfg)
     check_pipeline(cfg)
     check_ep(p.ep, moe.num_experts)
     _check(p.dp >= 0, "parallel.dp", "must be >= 0 (0: inferred from the world size)")
@@ -182,6 +178,24 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _check(p.ep == 1, "parallel.ep", "the fsdp stack shards every expert instead; set parallel.ep=1")
     if world_size is not None:
         validate_layout(cfg, world_size)
+
+
+def check_tp(cfg: Config) -> None:
+    """The tensor-parallel rules that do not need the world size: tp divides the heads; ddp stack, no pp."""
+    p, m = cfg.parallel, cfg.model
+    _check(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}")
+    if p.tp == 1:
+        return
+    _check(m.n_heads % p.tp == 0, "parallel.tp", f"must divide model.n_heads ({m.n_heads}), got {p.tp}")
+    kv = m.n_kv_heads or m.n_heads
+    _check(kv % p.tp == 0, "parallel.tp", f"must divide the kv heads (model.n_kv_heads = {kv}), got {p.tp}")
+    _check(
+        m.vocab_size % p.tp == 0,
+        "parallel.tp",
+        f"must divide model.vocab_size ({m.vocab_size}) for the vocab-parallel head; pad the vocabulary",
+    )
+    _check(p.stack == "ddp", "parallel.stack", "parallel.tp > 1 needs the ddp stack (fsdp + tp is not supported)")
+    _check(p.pp == 1, "parallel.pp", "parallel.tp > 1 with parallel.pp > 1 is not supported yet; use pp=1")
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
@@ -270,17 +284,22 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     _check(
         p.pp >= 1 and world_size % p.pp == 0, "parallel.pp", f"must divide the world size ({world_size}), got {p.pp}"
     )
-    dp = p.dp or world_size // p.pp
     _check(
-        dp * p.pp == world_size,
+        p.tp >= 1 and world_size % (p.pp * p.tp) == 0,
+        "parallel.tp",
+        f"pp ({p.pp}) * tp ({p.tp}) must divide the world size ({world_size}), got tp={p.tp}",
+    )
+    dp = p.dp or world_size // (p.pp * p.tp)
+    _check(
+        dp * p.pp * p.tp == world_size,
         "parallel.dp",
-        f"dp ({dp}) * pp ({p.pp}) must equal the world size ({world_size}) while tp and cp are 1",
+        f"pp ({p.pp}) * dp ({dp}) * tp ({p.tp}) must equal the world size ({world_size})",
     )
     check_ep(p.ep, world_size=world_size)
     _check(
         dp % p.ep == 0,
         "parallel.ep",
-        f"must divide the data-parallel size of a stage (world {world_size} / pp {p.pp} = {dp}), got {p.ep}",
+        f"must divide the data-parallel size (world {world_size} / (pp {p.pp} * tp {p.tp}) = {dp}), got {p.ep}",
     )
     if p.ep > 1 and cfg.model.moe.dispatcher == "local":
         raise ConfigError(

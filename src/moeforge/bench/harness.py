@@ -33,7 +33,7 @@ from moeforge.train.environment import collect_env
 
 log = logging.getLogger(__name__)
 
-COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing", "pipeline", "hf", "hf_layer")
+COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing", "pipeline", "tensor", "hf", "hf_layer")
 DEFAULT_CONFIGS = {
     "stacks": "stacks.yaml",
     "dispatchers": "stacks.yaml",
@@ -43,6 +43,7 @@ DEFAULT_CONFIGS = {
     "pipeline": "stacks.yaml",
     "hf": "hf.yaml",
     "hf_layer": "hf.yaml",
+    "tensor": "stacks.yaml",
     "sweep": "experts.yaml",
     None: "stacks.yaml",
 }
@@ -52,6 +53,7 @@ SWEEP_KEYS = {
     "expert_hidden": ("model.moe.expert_hidden", "F"),
     "capacity_factor": ("model.moe.capacity_factor", "cf"),
     "ep": ("parallel.ep", "ep"),
+    "tp": ("parallel.tp", "tp"),
     "micro_batch_size": ("train.micro_batch_size", "mb"),
 }
 
@@ -100,6 +102,11 @@ def comparison_variants(kind: str, nproc: int, ep: int, fp8: bool = False) -> li
             Variant("pp2+1f1b", nproc, [*pp2, "--parallel.pp_schedule=1f1b"]),
             Variant("pp2+interleaved_1f1b", nproc, [*virtual, "--parallel.pp_schedule=interleaved_1f1b"]),
             Variant("pp2+zbv", nproc, [*virtual, "--parallel.pp_schedule=zbv"]),
+        ]
+    if kind == "tensor":  # expert parallelism over data ranks vs tensor parallelism (dp = nproc / 2)
+        return [
+            Variant(base, nproc, ddp),
+            Variant("tp2", nproc, ["--parallel.stack=ddp", "--parallel.ep=1", "--parallel.tp=2"]),
         ]
     raise ConfigError(f"--compare: must be one of {', '.join(COMPARISONS)}, got {kind!r}")
 

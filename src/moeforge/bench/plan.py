@@ -17,6 +17,14 @@ fp32 master 4 in bf16 only + two fp32 Adam moments 8):
   each expert's state over its N/ep expert-data-parallel ranks. Per micro-batch
   four all-to-alls per MoE layer (dispatch and combine, forward and backward);
   per step one gradient reduce-scatter and one weight all-gather per group.
+- ddp with ``parallel.tp > 1`` (a plan of that one tp degree): the
+  tp-sharded weights (attention, dense MLPs, shared experts, embedding, head)
+  are ``1/tp`` per rank, their state sharded over the ``world/tp`` data ranks;
+  replicated dense state over all ranks, expert state over ``world/ep``.
+  Activations: the sequence-parallel parts (norms, residuals, MoE) ``1/tp``,
+  the attention heads and MLP hidden units ``1/tp``, plus the gathered
+  block inputs. ``tp`` comm: per micro-batch an all-gather and a
+  reduce-scatter of ``tokens x d`` around every tp region, forward and backward.
 
 Collective volumes are what one rank sends with ring/pairwise algorithms:
 all-gather and reduce-scatter ``(g-1)/g * S``, all-to-all ``(g-1)/g`` of the
@@ -37,9 +45,11 @@ from typing import Any
 from moeforge.bench.devices import DEVICES, GB, get_device
 from moeforge.bench.flops import flops_per_token, param_counts
 from moeforge.bench.plan_pipeline import pipeline_plan
+from moeforge.bench.plan_tp import d_gathered, tp_collectives_per_micro_batch
 from moeforge.config import Config, ConfigError, load_config
-from moeforge.config_validation import check_ep
+from moeforge.config_validation import check_ep, check_tp
 from moeforge.parallel.memory import predict_state
+from moeforge.parallel.tensor import tensor_parallel_numel
 
 ROUTER_FP32_COPIES = 2  # router logits and scores, kept in fp32 for backward
 
@@ -56,6 +66,7 @@ class LayoutPlan:
     fits: bool
     fits_without_checkpointing: bool
     fits_with_checkpointing: bool
+    tp: int = 1
 
 
 def meta_param_stats(cfg: Config) -> dict[str, int]:
@@ -97,34 +108,38 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     m, moe = cfg.model, cfg.model.moe
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
+    tp = cfg.parallel.tp
+    s = 1 / tp  # sequence-parallel share of per-token values on the residual stream
+    g = a * d_gathered(cfg)  # the block input all-gathered for a tp region (0 without tp)
     d, h, kv, hd = m.d_model, m.n_heads, m.kv_heads, m.dim_head
     r, k, f = _route_factor(cfg), moe.top_k, moe.expert_hidden
     # attention, measured per head and token (saved-tensor hooks): q/k/v projections, RoPE's halves and
     # products, SDPA's inputs and output, o_proj's input; QK-norm doubles it (fp32 copies in bf16)
     qk = m.qk_norm != "none"
     per_head = (16 if qk else 8) if a == 4 else (11 if qk else 5)
-    attn = a * 3 * d + per_head * (h + kv) * hd
-    moe_ffn = a * (3 * d + 2 * r * k * d + 4 * r * k * f + 4 * moe.shared_expert_hidden)
-    moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts
-    dense_ffn = a * (3 * d + 4 * m.dense_hidden)
+    attn = a * 3 * d * s + g + per_head * (h + kv) * hd * s
+    moe_ffn = a * (3 * d + 2 * r * k * d + 4 * r * k * f + 4 * moe.shared_expert_hidden) * s
+    moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts * s + (g if moe.shared_expert_hidden else 0)
+    dense_ffn = a * (3 * d * s + 4 * m.dense_hidden * s) + g
     n_dense = len(set(m.dense_layers))
     n_moe = m.n_layers - n_dense
-    per_layer_max = attn + (moe_ffn if n_moe else dense_ffn)
-    head = a * 3 * d + a * m.vocab_size  # final norm in/out, log-softmax of the logits (their dtype)
+    head = a * 3 * d * s + g + a * m.vocab_size * s  # final norm in/out, log-softmax of the (vocab-split) logits
     if a == 2:  # bf16: norms and the router compute in fp32 and keep those fp32 copies of their inputs
-        head += 2 * d
-        attn += 2 * d
-        moe_ffn += 2 * d + 4 * d
-        dense_ffn += 2 * d
+        head += 2 * d * s
+        attn += 2 * d * s
+        moe_ffn += (2 * d + 4 * d) * s
+        dense_ffn += 2 * d * s
+    per_layer_max = attn + (moe_ffn if n_moe else dense_ffn)
     full = tokens * (n_moe * (attn + moe_ffn) + n_dense * (attn + dense_ffn) + head)
-    checkpointed = tokens * (m.n_layers * a * d + per_layer_max + head)
-    saved_full = tokens * (m.n_layers * a * d + head)
+    checkpointed = tokens * (m.n_layers * a * d * s + per_layer_max + head)
+    saved_full = tokens * (m.n_layers * a * d * s + head)
     # selective: the attention norm's input and output stay (its output is the checkpoint's input)
-    saved_selective = tokens * (m.n_layers * a * 3 * d + n_moe * moe_ffn + n_dense * a * d + head)
+    saved_selective = tokens * (m.n_layers * a * 3 * d * s + n_moe * moe_ffn + n_dense * a * d * s + head)
     if a == 2 and cfg.train.param_dtype == "fp32":  # autocast keeps one bf16 copy of each matmul weight
         counts = param_counts(m)
         ep = cfg.parallel.ep if cfg.parallel.stack == "ddp" else 1
-        casts = 2 * (counts["total"] - counts["expert"] + counts["expert"] / ep - m.vocab_size * d)
+        tp_split = tensor_parallel_numel(m) * (1 - s) if tp > 1 else 0
+        casts = 2 * (counts["total"] - counts["expert"] + counts["expert"] / ep - m.vocab_size * d - tp_split)
         full, checkpointed = full + casts, checkpointed + casts
         saved_full, saved_selective = saved_full + casts, saved_selective + casts
     return {
@@ -161,10 +176,11 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     if stack == "fsdp":
         b_o = 8
     total, expert, dense = stats["total"], stats["expert"], stats["dense"]
-    dp, edp = world, world // ep
+    tp = cfg.parallel.tp if stack == "ddp" else 1
+    dp, edp = world // tp, world // ep
     ga = grad_accum_steps(cfg, dp)
     act = activation_bytes(cfg)
-    comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0}
+    comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0, "tp": 0.0}
     if stack == "fsdp":
         block = stats["largest_block"]
         weights = total * 4 / world + (2 * block * b_w if world > 1 else 0)
@@ -173,16 +189,20 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
         comm["all_gather"] = ga * 2 * _gather(total * b_w, world)
         comm["reduce_scatter"] = ga * _gather(total * b_g, world)
     else:
-        local = dense + expert / ep
+        split = stats.get("tp_sharded", 0) if tp > 1 else 0  # tp-sharded: 1/tp per rank, state over dp
+        rep = dense - split  # replicated dense: state over all ranks (dp x tp)
+        local = rep + split / tp + expert / ep
         weights, grads = local * b_w, local * b_g
-        optim = dense * b_o / dp + (expert / ep) * b_o / edp
-        comm["reduce_scatter"] = _gather(dense * b_g, dp) + _gather(expert / ep * b_g, edp)
-        comm["all_gather"] = _gather(dense * b_w, dp) + _gather(expert / ep * b_w, edp)
+        optim = split / tp * b_o / dp + rep * b_o / world + (expert / ep) * b_o / edp
+        for key, b in (("reduce_scatter", b_g), ("all_gather", b_w)):
+            comm[key] = _gather(split / tp * b, dp) + _gather(rep * b, world) + _gather(expert / ep * b, edp)
         a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
         tokens = cfg.train.micro_batch_size * cfg.data.seq_len
         moe = cfg.model.moe
-        rows = tokens * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
+        rows = tokens / tp * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
         comm["all_to_all"] = ga * stats["moe_layers"] * 4 * _gather(rows, ep)
+        if tp > 1:
+            comm["tp"] = ga * tp_collectives_per_micro_batch(cfg) * _gather(tokens * cfg.model.d_model * a, tp)
     comm["total"] = sum(comm.values())
     states = weights + grads + optim
     memory = {
@@ -196,21 +216,26 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     }
     fits_full = memory["total"] <= mem_bytes
     fits_ac = memory["total_checkpointed"] <= mem_bytes
-    return LayoutPlan(stack, ep, dp, memory, comm, fits_full or fits_ac, fits_full, fits_ac)
+    return LayoutPlan(stack, ep, dp, memory, comm, fits_full or fits_ac, fits_full, fits_ac, tp)
 
 
 def valid_layouts(cfg: Config, world: int) -> list[tuple[str, int]]:
-    """(stack, ep) pairs: fsdp with ep=1, ddp with every ep dividing num_experts and the world."""
-    experts = cfg.model.moe.num_experts
+    """(stack, ep) pairs: fsdp with ep=1, ddp with every ep dividing num_experts and the world.
+
+    With ``parallel.tp > 1``: ddp only, ep dividing the ``world / tp`` data ranks.
+    """
+    experts, tp = cfg.model.moe.num_experts, cfg.parallel.tp
+    data = world // tp
 
     def valid(ep: int) -> bool:
         try:
-            check_ep(ep, experts, world)
+            check_ep(ep, experts, data)
         except ConfigError:
             return False
         return True
 
-    return [("fsdp", 1)] + [("ddp", ep) for ep in range(1, min(experts, world) + 1) if valid(ep)]
+    ddp = [("ddp", ep) for ep in range(1, min(experts, data) + 1) if valid(ep)]
+    return ddp if tp > 1 else [("fsdp", 1), *ddp]
 
 
 def _host_memory_bytes() -> float:
@@ -233,13 +258,20 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
         mem_bytes = spec.memory_bytes
     else:
         mem_bytes = _host_memory_bytes()
+    tp = cfg.parallel.tp
+    if tp > 1:
+        check_tp(cfg)
+        if world % tp:
+            raise ConfigError(f"parallel.tp: must divide --world ({world}), got {tp}")
     stats = meta_param_stats(cfg)
+    if tp > 1:
+        stats["tp_sharded"] = tensor_parallel_numel(cfg.model)
     seq = cfg.data.seq_len
     layouts = [plan_layout(cfg, stats, stack, ep, world, mem_bytes) for stack, ep in valid_layouts(cfg, world)]
     act = activation_bytes(cfg)
     act_key = {"none": "full", "full": "saved_full", "selective": "saved_selective"}[cfg.train.activation_checkpointing]
     predicted = None  # the config's own layout; not yet per pipeline stage
-    if world % cfg.parallel.ep == 0 and world % cfg.parallel.pp == 0 and cfg.parallel.pp == 1:
+    if world % cfg.parallel.ep == 0 and world % cfg.parallel.pp == 0 and cfg.parallel.pp == 1 and tp == 1:
         states = predict_state(cfg, world)
         predicted = [{"rank": r, **st, "activation_bytes": int(act[act_key])} for r, st in enumerate(states)]
     return {
@@ -248,6 +280,7 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
         if predicted is not None
         else None,
         "world": world,
+        "tp": tp,
         "device": spec.name,
         "device_memory_bytes": mem_bytes,
         "peak_tflops_bf16_dense": spec.bf16_dense_tflops,
@@ -281,8 +314,9 @@ def format_plan(plan: dict[str, Any], config_name: str = "") -> str:
     """Human-readable table of a plan from :func:`make_plan`."""
     peak = plan["peak_tflops_bf16_dense"]
     peak_txt = f", {peak:g} TFLOP/s bf16 dense" if peak else ""
+    tp_txt = f" (tp {plan['tp']}: AG+RS includes the tp collectives)" if plan.get("tp", 1) > 1 else ""
     lines = [
-        f"plan {config_name}: world {plan['world']}, device {plan['device']} "
+        f"plan {config_name}: world {plan['world']}{tp_txt}, device {plan['device']} "
         f"({plan['device_memory_bytes'] / GB:.0f} GB{peak_txt})",
         f"parameters: total {plan['params_total'] / 1e9:.2f}B (experts {plan['params_expert'] / 1e9:.2f}B, "
         f"dense {plan['params_dense'] / 1e9:.2f}B, embeddings {plan['params_embedding'] / 1e9:.2f}B), "
@@ -309,7 +343,7 @@ def format_plan(plan: dict[str, Any], config_name: str = "") -> str:
             mem["total"],
             mem["total_checkpointed"],
             comm["all_to_all"],
-            comm["all_gather"] + comm["reduce_scatter"],
+            comm["all_gather"] + comm["reduce_scatter"] + comm.get("tp", 0.0),
         )
         lines.append(
             f"{stack:<7}{lay['ep']:>5}{lay['dp']:>6}"

@@ -262,6 +262,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             "pp_schedule": cfg.parallel.pp_schedule if mesh.pp > 1 else None,
             "pp_stages_per_rank": cfg.parallel.pp_stages_per_rank if mesh.pp > 1 else None,
             "edp": mesh.edp,
+            "tp": mesh.tp,
             "dispatcher": dispatcher_name(trainer),
             "overlap_grad_reduce": cfg.parallel.overlap_grad_reduce,
             # what each stack holds: ddp stores weights in param_dtype; fsdp keeps fp32 shards and gathers

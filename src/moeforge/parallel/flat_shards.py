@@ -106,6 +106,54 @@ def sharded_flat_tensor(
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
 
 
+def sharded_slab_tensor(
+    flat: Tensor,
+    global_shape: Sequence[int],
+    local_shape: Sequence[int],
+    dim: int,
+    local_range: tuple[int, int, int],
+    owners: Sequence[tuple[int, int, int, int]],
+) -> Tensor:
+    """Like :func:`sharded_flat_tensor`, for a parameter cut into equal slabs along ``dim`` (``Shard(dim)``).
+
+    Ranges are flat ranges of one slab (the local tensor of ``local_shape``);
+    slab ``i`` starts at ``i * local_shape[dim]`` along ``dim``. ``local_range``
+    is ``(slab, start, end)`` of ``flat`` on this rank, ``owners`` lists
+    ``(global rank, slab, start, end)`` of every rank's range (this rank's too).
+    For ``dim > 0`` a slab's flat range is not a flat range of the global tensor,
+    hence the separate function.
+    """
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    def boxes(slab: int, a: int, z: int) -> list[Box]:
+        out = []
+        for offsets, sizes, first in flat_range_boxes(local_shape, a, z):
+            offsets = list(offsets)
+            offsets[dim] += slab * local_shape[dim]
+            out.append((offsets, sizes, first))
+        return out
+
+    device = flat.device
+    rank = torch.distributed.get_rank()
+    metas = [
+        ShardMetadata(offsets, sizes, placement=f"rank:{owner}/{device}")
+        for owner, slab, a, z in owners
+        for offsets, sizes, _ in boxes(slab, a, z)
+    ]
+    slab, start, end = local_range
+    local = []
+    for offsets, sizes, first in boxes(slab, start, end):
+        n = math.prod(sizes)
+        view = flat[first - start : first - start + n].view(sizes)
+        local.append(Shard(view, ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")))
+    props = TensorProperties(dtype=flat.dtype, requires_grad=False)
+    meta = ShardedTensorMetadata(metas, torch.Size(global_shape), props)
+    with quiet_sharded_tensor():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+
+
 def snapshot(t: Tensor) -> Tensor:
     """A CPU copy for a checkpoint that training cannot change (a DTensor stays a DTensor over the same mesh)."""
     if isinstance(t, DTensor):

@@ -2,7 +2,11 @@
 
 Every trainable parameter belongs to one data-parallel group: dense parameters
 (and experts when ``ep == 1``) to ``mesh.dp_group``, expert parameters under
-expert parallelism to ``mesh.edp_group`` (no group when ``edp == 1``).
+expert parallelism to ``mesh.edp_group`` (no group when ``edp == 1``). Under
+tensor parallelism (``tp > 1``) tp-sharded parameters stay on ``mesh.dp_group``
+(the ranks with the same tp index), while replicated dense parameters, which
+see a different slice of the sequence on each tp rank, are reduced over
+``mesh.stage_group`` (dp x tp), and experts over ``mesh.edp_group`` (edp x tp).
 Parameters are packed, in reverse registration order (roughly the order
 backward produces them), into flat buckets of at most ``bucket_size_mb``;
 a bucket holds one group and one dtype only, and is padded so that it splits
@@ -173,11 +177,23 @@ class GradBucket:
         self.launched = False
 
 
-def bucket_group_kind(role: str, ep: int, dp: int, edp: int) -> str | None:
-    """The group a parameter's gradient is reduced over: ``"edp"``, ``"dp"``, or None (a group of one)."""
+def bucket_group_kind(role: str, ep: int, dp: int, edp: int, tp: int = 1, tp_sharded: bool = False) -> str | None:
+    """The group a parameter's gradient is reduced over: ``"edp"``, ``"dp"``, ``"stage"`` or None (a group of one).
+
+    ``tp_sharded``: the parameter is sharded over the tp ranks (each holds a different slice).
+    """
+    if tp_sharded:
+        return "dp" if dp > 1 else None
     if role == EXPERT and ep > 1:
-        return "edp" if edp > 1 else None
+        return "edp" if edp * tp > 1 else None
+    if tp > 1:
+        return "stage"
     return "dp" if dp > 1 else None
+
+
+def is_tp_sharded(p: Tensor) -> bool:
+    """True for a DTensor laid out over the tensor-parallel mesh dim."""
+    return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("tp",)
 
 
 def padded_numel(numel: int, group_size: int) -> int:
@@ -230,9 +246,14 @@ def build_buckets(
     for _, p, role in named:
         local = local_tensor(p)
         entries.append(
-            (local.numel(), local.element_size(), local.dtype, bucket_group_kind(role, mesh.ep, mesh.dp, mesh.edp))
+            (
+                local.numel(),
+                local.element_size(),
+                local.dtype,
+                bucket_group_kind(role, mesh.ep, mesh.dp, mesh.edp, mesh.tp, is_tp_sharded(p)),
+            )
         )
-    groups = {"dp": mesh.dp_group, "edp": mesh.edp_group, None: None}
+    groups = {"dp": mesh.dp_group, "edp": mesh.edp_group, "stage": mesh.stage_group, None: None}
     device = local_tensor(named[0][1]).device if named else torch.device("cpu")
     return [
         GradBucket(i, [named[k][:2] for k in members], groups[kind], dtype, device, grad_dtype)

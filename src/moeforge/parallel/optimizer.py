@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moeforge.model.moe.experts import local_tensor
-from moeforge.parallel.flat_shards import sharded_flat_tensor
+from moeforge.parallel.flat_shards import sharded_flat_tensor, sharded_slab_tensor
 from moeforge.parallel.grad_buckets import BucketEntry, GradBucket, GradReducer, all_gather_single
 
 _PIPELINE_DEPTH = 2  # all-gathers in flight during the weight update
@@ -222,6 +222,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if a < z and not self.distributed:  # one process owns everything: plain views, full shape
                     for k, buf in bufs.items():
                         entry[k] = buf[a - lo : z - lo].view(e.param.shape)
+                elif a < z and _shard_dim(e.param) > 0:  # tp row-parallel weights: slabs along dim 1
+                    slab_owners, mine = _slab_owners(b, e, self.rank)
+                    rng3 = (mine, a - e.offset, z - e.offset)
+                    local_shape = list(local_tensor(e.param).shape)
+                    for k, buf in bufs.items():
+                        entry[k] = sharded_slab_tensor(
+                            buf[a - lo : z - lo],
+                            list(e.param.shape),
+                            local_shape,
+                            _shard_dim(e.param),
+                            rng3,
+                            slab_owners,
+                        )
                 elif a < z:
                     shape, owners, shift = _global_owners(b, e, self.rank)
                     rng = (shift + a - e.offset, shift + z - e.offset)
@@ -297,6 +310,30 @@ def _global_owners(b: GradBucket, e: BucketEntry, me: int) -> tuple[list[int], l
             shift = i * local_numel - e.offset
             owners.append((peer + r - ep_ranks[mine], shift + a, shift + z))
     return list(p.shape), owners, mine * local_numel
+
+
+def _shard_dim(p: torch.nn.Parameter) -> int:
+    """The dim a DTensor parameter is sharded along (0 for plain tensors)."""
+    placements = getattr(p, "placements", ())
+    return placements[0].dim if placements and placements[0].is_shard() else 0  # type: ignore[union-attr]
+
+
+def _slab_owners(b: GradBucket, e: BucketEntry, me: int) -> tuple[list[tuple[int, int, int, int]], int]:
+    """``([(global rank, slab, start, end)], this rank's slab)`` of ``e``'s state, for ``Shard(d > 0)`` DTensors.
+
+    As :func:`_global_owners`, but ranges stay flat ranges of one slab (the local tensor).
+    """
+    mesh_ranks = [int(r) for r in e.param.device_mesh.mesh.flatten().tolist()]  # type: ignore[attr-defined]
+    mine = mesh_ranks.index(me)
+    owners = []
+    for j in range(b.group_size):
+        a, z = max(j * b.shard_size, e.offset), min((j + 1) * b.shard_size, e.offset + e.numel)
+        if a >= z:
+            continue
+        peer = dist.get_global_rank(b.group, j) if b.group is not None else me
+        for i, r in enumerate(mesh_ranks):
+            owners.append((peer + r - me, i, a - e.offset, z - e.offset))
+    return owners, mine
 
 
 def _scatter_into_params(b: GradBucket, full: Tensor, work: Any) -> None:

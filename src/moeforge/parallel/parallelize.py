@@ -11,13 +11,15 @@ from moeforge.parallel.expert import parallelize_experts
 from moeforge.parallel.fsdp import FSDPStack
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.stack import DTYPES, LocalStack, TrainingStack, cast_parameters
+from moeforge.parallel.tensor import parallelize_tensor
 
 
 def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
     """Lay the model out over ``mesh`` and build the matching optimizer.
 
     In order: parameters cast to ``train.param_dtype`` (not for FSDP, which keeps
-    fp32 shards and casts what it gathers), experts sharded over ``ep`` with the
+    fp32 shards and casts what it gathers), tensor parallelism over ``tp``
+    (attention, dense MLPs, head; sequence-parallel elsewhere), experts sharded over ``ep`` with the
     configured dispatcher and a random-routing stream per rank, activation
     checkpointing, then the stack. One process gets the :class:`LocalStack`,
     or, with bf16 parameters, the ddp stack with groups of one (for its fp32
@@ -26,6 +28,7 @@ def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
     fsdp = mesh.distributed and cfg.parallel.stack == "fsdp"
     if not fsdp:  # FSDP keeps fp32 shards and casts what it gathers (its MixedPrecisionPolicy)
         cast_parameters(model, DTYPES[cfg.train.param_dtype])
+    parallelize_tensor(model, mesh)  # type: ignore[arg-type]
     parallelize_experts(model, mesh, cfg.model.moe.dispatcher)  # type: ignore[arg-type]
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if fsdp:

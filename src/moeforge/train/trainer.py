@@ -170,7 +170,7 @@ class Trainer:
         # The step's one collective: losses and every layer's load, summed over all ranks (all stages).
         packed = all_reduce_sum(torch.cat([sums, load_rows.reshape(-1)]), mesh.world_group)
         values = packed.cpu()
-        loss, lm, aux, z = (values[:4] / mesh.dp).tolist()
+        loss, lm, aux, z = (values[:4] / (mesh.dp * mesh.tp)).tolist()  # tp ranks hold the same loss
         loads = values[4:].view(load_rows.shape)
         # non-finite loss, gradient or update: skipped (the first two are already global values)
         finite = guarded_step(stack, model, mesh, float(grad_norm), loss)
@@ -186,7 +186,7 @@ class Trainer:
             counts = loads[rows, :num_experts].to(self.device)
             for layer, c in zip(own, counts):
                 layer.router.update_bias(c)
-        n_sources = n_micro * mesh.dp  # forwards of each layer: micro-batches x the stage's data shards
+        n_sources = n_micro * mesh.dp * mesh.tp  # forwards of each layer: micro-batches x data shards x tp slices
         balance = per_layer_metrics(loads, num_experts, mesh.ep, n_sources) if len(loads) else {}
         return StepResult(loss, lm, aux, z, float(grad_norm), not finite, loads, n_sources, balance)
 
@@ -382,7 +382,7 @@ class Trainer:
         tok = Tokenizer.from_file(self.meta.tokenizer_path)
         ids = torch.tensor([tok.encode(prompt)], device=self.device)
         model = self.model
-        if self.pipeline is not None:  # a stage holds part of the model: every rank loads the whole one
+        if self.pipeline is not None or self.mesh.tp > 1:  # a stage / tp shards: every rank loads the whole model
             from moeforge.train.convert import load_run_model
 
             self.checkpointer.wait()

@@ -13,6 +13,7 @@ each optimizer step from that step's token counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,9 @@ class TopKRouter(nn.Module):
         self.base_seed = seed * 1000 + layer_idx
         self.random_seed = self.base_seed
         self._generator: torch.Generator | None = None
+        # Sums per-token statistics over every part of the batch when its tokens are split over
+        # several modules (set by parallel code, e.g. sequence parallelism); None: this forward sees them all.
+        self.token_stats_reduce: Callable[[Tensor], Tensor] | None = None
 
     def set_random_stream(self, stream: int) -> None:
         """Draw random routes from stream ``stream`` of this layer (parallelize code passes the rank)."""
@@ -102,10 +106,24 @@ class TopKRouter(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
         counts.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=x.device))
+        if self.token_stats_reduce is not None:
+            aux, z = self._reduced_losses(logits, probs, counts)
+            return RouterOutput(indices, weights, aux, z, counts)
         n_routes = max(indices.numel(), 1)
         aux = self.num_experts * (counts / n_routes * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean() if x.shape[0] else logits.sum()
         return RouterOutput(indices, weights, aux, z, counts)
+
+    def _reduced_losses(self, logits: Tensor, probs: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """The aux and z losses of the whole batch from this part's sums and :attr:`token_stats_reduce`."""
+        n = torch.full((1,), float(logits.shape[0]), device=logits.device)
+        z_sum = torch.logsumexp(logits, dim=-1).square().sum().reshape(1)
+        stats = self.token_stats_reduce(torch.cat([counts, probs.sum(dim=0), z_sum, n]))  # type: ignore[misc]
+        e = self.num_experts
+        counts_all, probs_sum, z_all, n_all = stats[:e], stats[e : 2 * e], stats[2 * e], stats[2 * e + 1]
+        n_all = n_all.clamp(min=1.0)
+        aux = e * (counts_all / (n_all * self.top_k) * (probs_sum / n_all)).sum()
+        return aux, z_all / n_all
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor) -> None:
