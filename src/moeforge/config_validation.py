@@ -140,12 +140,8 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
 
     p = cfg.parallel
-    for name in ("tp", "cp"):
-        _check(
-            getattr(p, name) == 1,
-            f"parallel.{name}",
-            f"only 1 is supported in this release, got {getattr(p, name)}",
-        )
+    _check(p.tp == 1, "parallel.tp", f"only 1 is supported in this release, got {p.tp}")
+    check_cp(cfg)
     check_pipeline(cfg)
     check_ep(p.ep, moe.num_experts)
     _check(p.dp >= 0, "parallel.dp", "must be >= 0 (0: inferred from the world size)")
@@ -155,6 +151,21 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _check(p.ep == 1, "parallel.ep", "the fsdp stack shards every expert instead; set parallel.ep=1")
     if world_size is not None:
         validate_layout(cfg, world_size)
+
+
+def check_cp(cfg: Config) -> None:
+    """The context-parallel rules that do not need the world size."""
+    p, seq = cfg.parallel, cfg.data.seq_len
+    _check(p.cp >= 1, "parallel.cp", f"must be >= 1, got {p.cp}")
+    if p.cp == 1:
+        return
+    _check(
+        seq % (2 * p.cp) == 0,
+        "parallel.cp",
+        f"must split data.seq_len ({seq}) into 2 * cp = {2 * p.cp} equal chunks; pick cp with seq_len % (2 * cp) == 0",
+    )
+    _check(p.stack == "ddp", "parallel.stack", "parallel.cp > 1 with the fsdp stack is not supported yet; use ddp")
+    _check(p.pp == 1, "parallel.pp", "parallel.cp > 1 with pipeline parallelism is not supported yet; use pp=1")
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
@@ -220,17 +231,24 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     _check(
         p.pp >= 1 and world_size % p.pp == 0, "parallel.pp", f"must divide the world size ({world_size}), got {p.pp}"
     )
-    dp = p.dp or world_size // p.pp
+    other = p.pp * p.cp * p.tp
     _check(
-        dp * p.pp == world_size,
+        world_size % other == 0,
+        "parallel.cp",
+        f"pp ({p.pp}) * cp ({p.cp}) * tp ({p.tp}) = {other} must divide the world size ({world_size})",
+    )
+    dp = p.dp or world_size // other
+    _check(
+        dp * other == world_size,
         "parallel.dp",
-        f"dp ({dp}) * pp ({p.pp}) must equal the world size ({world_size}) while tp and cp are 1",
+        f"pp ({p.pp}) * dp ({dp}) * cp ({p.cp}) * tp ({p.tp}) must equal the world size ({world_size})",
     )
     check_ep(p.ep, world_size=world_size)
     _check(
-        dp % p.ep == 0,
+        dp * p.cp % p.ep == 0,
         "parallel.ep",
-        f"must divide the data-parallel size of a stage (world {world_size} / pp {p.pp} = {dp}), got {p.ep}",
+        f"must divide the data-parallel size of a stage (dp {dp} * cp {p.cp} = {dp * p.cp} ranks; experts are "
+        f"folded over dp x cp), got {p.ep}",
     )
     if p.ep > 1 and cfg.model.moe.dispatcher == "local":
         raise ConfigError(

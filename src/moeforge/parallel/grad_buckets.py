@@ -1,7 +1,8 @@
 """Bucketed gradient reduction for the DDP-based stack (the distributed optimizer's input).
 
 Every trainable parameter belongs to one data-parallel group: dense parameters
-(and experts when ``ep == 1``) to ``mesh.dp_group``, expert parameters under
+(and experts when ``ep == 1``) to ``mesh.dp_cp_group`` (the stage's dp x cp
+ranks: context-parallel ranks see different tokens too), expert parameters under
 expert parallelism to ``mesh.edp_group`` (no group when ``edp == 1``).
 Parameters are packed, in reverse registration order (roughly the order
 backward produces them), into flat buckets of at most ``bucket_size_mb``;
@@ -174,7 +175,7 @@ class GradBucket:
 
 
 def bucket_group_kind(role: str, ep: int, dp: int, edp: int) -> str | None:
-    """The group a parameter's gradient is reduced over: ``"edp"``, ``"dp"``, or None (a group of one)."""
+    """The group a parameter's gradient is reduced over: ``"edp"``, ``"dp"`` (``dp``: the dp x cp ranks), or None."""
     if role == EXPERT and ep > 1:
         return "edp" if edp > 1 else None
     return "dp" if dp > 1 else None
@@ -230,9 +231,9 @@ def build_buckets(
     for _, p, role in named:
         local = local_tensor(p)
         entries.append(
-            (local.numel(), local.element_size(), local.dtype, bucket_group_kind(role, mesh.ep, mesh.dp, mesh.edp))
+            (local.numel(), local.element_size(), local.dtype, bucket_group_kind(role, mesh.ep, mesh.dp_cp, mesh.edp))
         )
-    groups = {"dp": mesh.dp_group, "edp": mesh.edp_group, None: None}
+    groups = {"dp": mesh.dp_cp_group, "edp": mesh.edp_group, None: None}
     device = local_tensor(named[0][1]).device if named else torch.device("cpu")
     return [
         GradBucket(i, [named[k][:2] for k in members], groups[kind], dtype, device, grad_dtype)
@@ -253,7 +254,7 @@ class GradReducer:
     ) -> None:
         named = [(name, p, role) for name, p, role in named_parameter_roles(model) if p.requires_grad]
         self.overlap = overlap
-        self.scale = 1.0 / mesh.dp
+        self.scale = 1.0 / mesh.dp_cp  # every rank's loss is the mean of its own (equally many) tokens
         self.buckets = build_buckets(named, mesh, bucket_size_mb, grad_dtype)
         self._sync = True
         self._next = 0

@@ -13,6 +13,7 @@ each optimizer step from that step's token counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,9 @@ class TopKRouter(nn.Module):
         self.base_seed = seed * 1000 + layer_idx
         self.random_seed = self.base_seed
         self._generator: torch.Generator | None = None
+        # ``fn(counts) -> counts`` summed over the ranks that hold other tokens of the same sequences
+        # (set by context parallelism), so the aux loss's route fractions are those of whole sequences.
+        self.reduce_counts: Callable[[Tensor], Tensor] | None = None
 
     def set_random_stream(self, stream: int) -> None:
         """Draw random routes from stream ``stream`` of this layer (parallelize code passes the rank)."""
@@ -102,8 +106,12 @@ class TopKRouter(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
         counts.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=x.device))
-        n_routes = max(indices.numel(), 1)
-        aux = self.num_experts * (counts / n_routes * probs.mean(dim=0)).sum()
+        if self.reduce_counts is None:
+            seq_counts, n_routes = counts, max(indices.numel(), 1)
+        else:  # every route of the sequences counted once (equal token counts per rank)
+            seq_counts = self.reduce_counts(counts.clone())
+            n_routes = seq_counts.sum().clamp_min(1.0)
+        aux = self.num_experts * (seq_counts / n_routes * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean() if x.shape[0] else logits.sum()
         return RouterOutput(indices, weights, aux, z, counts)
 
