@@ -36,6 +36,7 @@ from torch import Tensor
 from moeforge.data.cp_chunks import chunk_positions
 from moeforge.model.attention import Attention, AttentionFn
 from moeforge.model.transformer import MoETransformer
+from moeforge.parallel.grad_buckets import all_gather_single, reduce_scatter_single
 from moeforge.parallel.mesh import MoEMesh
 
 
@@ -47,14 +48,14 @@ class _GatherSeq(torch.autograd.Function):
         ctx.group, ctx.world = group, world
         x = x.contiguous()
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        all_gather_single(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // ctx.world, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        reduce_scatter_single(out, grad, group=ctx.group)
         return out, None, None
 
 
