@@ -168,3 +168,27 @@ def test_bad_cp_layouts_are_one_clear_error(overrides: dict, world: int, message
     with pytest.raises(ConfigError) as err:
         cfg.validate(world_size=world)
     assert str(err.value).startswith(message), str(err.value)
+
+
+def test_plan_and_bench_know_cp() -> None:
+    from pathlib import Path
+
+    from moeforge.bench.harness import comparison_variants
+    from moeforge.bench.plan import make_plan
+    from moeforge.config import load_config
+
+    preset = Path(__file__).resolve().parents[1] / "configs" / "presets" / "olmoe-1b-7b.yaml"
+    plans = {cp: make_plan(load_config(preset, [f"--parallel.cp={cp}"]), 8) for cp in (1, 2)}
+    one = {lay["ep"]: lay for lay in plans[1]["layouts"] if lay["stack"] == "ddp"}
+    two = {lay["ep"]: lay for lay in plans[2]["layouts"] if lay["stack"] == "ddp"}
+    assert all(lay["stack"] == "ddp" for lay in plans[2]["layouts"])  # fsdp does not take cp
+    for ep, lay in two.items():
+        ref = one[ep]
+        assert lay["cp"] == 2 and lay["dp"] == ref["dp"] // 2 and lay["grad_accum_steps"] == 2 * ref["grad_accum_steps"]
+        assert lay["memory"]["optimizer"] == ref["memory"]["optimizer"]  # dense state still sharded over all 8
+        act, act1 = lay["memory"]["activations"], ref["memory"]["activations"]
+        assert act1 / 2 < act < act1 * 0.6  # half the tokens, plus the gathered K/V
+        assert lay["comm_bytes"]["context"] > 0 == ref["comm_bytes"]["context"]
+        assert lay["comm_bytes"]["all_to_all"] == pytest.approx(ref["comm_bytes"]["all_to_all"])  # same tokens/step
+    names = [v.name for v in comparison_variants("context", 2, 1)]
+    assert names == ["ddp+ep1", "ddp+ep1+cp2"]

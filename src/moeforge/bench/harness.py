@@ -32,13 +32,14 @@ from moeforge.train.environment import collect_env
 
 log = logging.getLogger(__name__)
 
-COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing")
+COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing", "context")
 DEFAULT_CONFIGS = {
     "stacks": "stacks.yaml",
     "dispatchers": "stacks.yaml",
     "overlap": "stacks.yaml",
     "precision": "stacks.yaml",
     "routing": "stacks.yaml",
+    "context": "stacks.yaml",
     "sweep": "experts.yaml",
     None: "stacks.yaml",
 }
@@ -86,6 +87,11 @@ def comparison_variants(kind: str, nproc: int, ep: int) -> list[Variant]:
         return [
             Variant(f"{base}+learned", nproc, [*ddp, "--model.moe.random_routing=false"]),
             Variant(f"{base}+random", nproc, [*ddp, "--model.moe.random_routing=true"]),
+        ]
+    if kind == "context":  # the same global batches, each sequence split over 2 ranks (dp halves)
+        return [
+            Variant(base, nproc, [*ddp, "--parallel.cp=1"]),
+            Variant(f"{base}+cp2", nproc, [*ddp, "--parallel.cp=2"]),
         ]
     raise ConfigError(f"--compare: must be one of {', '.join(COMPARISONS)}, got {kind!r}")
 

@@ -17,6 +17,11 @@ fp32 master 4 in bf16 only + two fp32 Adam moments 8):
   each expert's state over its N/ep expert-data-parallel ranks. Per micro-batch
   four all-to-alls per MoE layer (dispatch and combine, forward and backward);
   per step one gradient reduce-scatter and one weight all-gather per group.
+- cp (``parallel.cp``, ddp only): each rank holds ``seq / cp`` tokens of every
+  sequence, so activations and all-to-all rows shrink by cp, dp (batches) is
+  ``world / cp`` while the dense state stays sharded over all ``world`` ranks;
+  attention keeps the all-gathered full-length K and V per layer, and each
+  layer all-gathers K/V forward and reduce-scatters their gradients backward.
 
 Collective volumes are what one rank sends with ring/pairwise algorithms:
 all-gather and reduce-scatter ``(g-1)/g * S``, all-to-all ``(g-1)/g`` of the
@@ -55,6 +60,7 @@ class LayoutPlan:
     fits: bool
     fits_without_checkpointing: bool
     fits_with_checkpointing: bool
+    cp: int = 1  # context-parallel degree (ranks sharing each sequence)
 
 
 def meta_param_stats(cfg: Config) -> dict[str, int]:
@@ -93,8 +99,8 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     the norms and the router keep fp32 copies of their inputs, and autocast over
     fp32 weights keeps one bf16 copy of every matmul weight (per micro-batch).
     """
-    m, moe = cfg.model, cfg.model.moe
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    m, moe, cp = cfg.model, cfg.model.moe, cfg.parallel.cp
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp  # this rank's tokens (its cp chunks)
     a = 2 if cfg.train.precision == "bf16" else 4
     d, h, kv, hd = m.d_model, m.n_heads, m.kv_heads, m.dim_head
     r, k, f = _route_factor(cfg), moe.top_k, moe.expert_hidden
@@ -102,7 +108,7 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     # products, SDPA's inputs and output, o_proj's input; QK-norm doubles it (fp32 copies in bf16)
     qk = m.qk_norm != "none"
     per_head = (16 if qk else 8) if a == 4 else (11 if qk else 5)
-    attn = a * 3 * d + per_head * (h + kv) * hd
+    attn = a * 3 * d + per_head * (h + kv) * hd + a * 2 * kv * hd * (cp - 1)  # cp: the gathered K and V
     moe_ffn = a * (3 * d + 2 * r * k * d + 4 * r * k * f + 4 * moe.shared_expert_hidden)
     moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts
     dense_ffn = a * (3 * d + 4 * m.dense_hidden)
@@ -160,10 +166,11 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     if stack == "fsdp":
         b_o = 8
     total, expert, dense = stats["total"], stats["expert"], stats["dense"]
-    dp, edp = world, world // ep
+    cp = cfg.parallel.cp
+    dp, edp = world // cp, world // ep  # dp: batches; dense state is sharded over all dp x cp ranks
     ga = grad_accum_steps(cfg, dp)
     act = activation_bytes(cfg)
-    comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0}
+    comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0, "context": 0.0}
     if stack == "fsdp":
         block = stats["largest_block"]
         weights = total * 4 / world + (2 * block * b_w if world > 1 else 0)
@@ -174,11 +181,13 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     else:
         local = dense + expert / ep
         weights, grads = local * b_w, local * b_g
-        optim = dense * b_o / dp + (expert / ep) * b_o / edp
-        comm["reduce_scatter"] = _gather(dense * b_g, dp) + _gather(expert / ep * b_g, edp)
-        comm["all_gather"] = _gather(dense * b_w, dp) + _gather(expert / ep * b_w, edp)
+        optim = dense * b_o / world + (expert / ep) * b_o / edp
+        comm["reduce_scatter"] = _gather(dense * b_g, world) + _gather(expert / ep * b_g, edp)
+        comm["all_gather"] = _gather(dense * b_w, world) + _gather(expert / ep * b_w, edp)
         a = 2 if cfg.train.precision == "bf16" else 4
-        tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+        tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
+        kv_full = cp * tokens * 2 * cfg.model.kv_heads * cfg.model.dim_head * a  # K and V of whole sequences
+        comm["context"] = ga * cfg.model.n_layers * 2 * _gather(kv_full, cp)  # gather forward, scatter backward
         moe = cfg.model.moe
         rows = tokens * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
         comm["all_to_all"] = ga * stats["moe_layers"] * 4 * _gather(rows, ep)
@@ -195,11 +204,11 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     }
     fits_full = memory["total"] <= mem_bytes
     fits_ac = memory["total_checkpointed"] <= mem_bytes
-    return LayoutPlan(stack, ep, dp, memory, comm, fits_full or fits_ac, fits_full, fits_ac)
+    return LayoutPlan(stack, ep, dp, memory, comm, fits_full or fits_ac, fits_full, fits_ac, cp)
 
 
 def valid_layouts(cfg: Config, world: int) -> list[tuple[str, int]]:
-    """(stack, ep) pairs: fsdp with ep=1, ddp with every ep dividing num_experts and the world."""
+    """(stack, ep) pairs: fsdp with ep=1 (not with cp > 1), ddp with every ep dividing num_experts and the world."""
     experts = cfg.model.moe.num_experts
 
     def valid(ep: int) -> bool:
@@ -209,7 +218,8 @@ def valid_layouts(cfg: Config, world: int) -> list[tuple[str, int]]:
             return False
         return True
 
-    return [("fsdp", 1)] + [("ddp", ep) for ep in range(1, min(experts, world) + 1) if valid(ep)]
+    fsdp = [("fsdp", 1)] if cfg.parallel.cp == 1 else []
+    return fsdp + [("ddp", ep) for ep in range(1, min(experts, world) + 1) if valid(ep)]
 
 
 def _host_memory_bytes() -> float:
@@ -221,6 +231,9 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
     ``layouts``, ...). ``mem_gb`` overrides the device's memory (decimal GB)."""
     if world < 1:
         raise ConfigError(f"--world: must be >= 1, got {world}")
+    cp = cfg.parallel.cp
+    if cp > 1 and (world % cp or cfg.data.seq_len % (2 * cp)):
+        raise ConfigError(f"parallel.cp: {cp} must divide --world ({world}) and data.seq_len / 2 ({cfg.data.seq_len})")
     if mem_gb is not None and mem_gb <= 0:
         raise ConfigError(f"--mem-gb: must be > 0, got {mem_gb}")
     if cfg.model.vocab_size <= 0:
@@ -292,7 +305,7 @@ def format_plan(plan: dict[str, Any], config_name: str = "") -> str:
         "",
     ]
     cols = ("weights", "grads", "optim", "act", "act AC", "total", "total AC", "a2a", "AG+RS")
-    header = f"{'stack':<7}{'ep':>5}{'dp':>6}" + "".join(f"{c:>10}" for c in cols) + "  fits"
+    header = f"{'stack':<7}{'ep':>5}{'dp':>6}{'cp':>4}" + "".join(f"{c:>10}" for c in cols) + "  fits"
     lines.append(header)
     lines.append("-" * len(header))
     for lay in plan["layouts"]:
@@ -307,10 +320,10 @@ def format_plan(plan: dict[str, Any], config_name: str = "") -> str:
             mem["total"],
             mem["total_checkpointed"],
             comm["all_to_all"],
-            comm["all_gather"] + comm["reduce_scatter"],
+            comm["all_gather"] + comm["reduce_scatter"] + comm.get("context", 0.0),
         )
         lines.append(
-            f"{stack:<7}{lay['ep']:>5}{lay['dp']:>6}"
+            f"{stack:<7}{lay['ep']:>5}{lay['dp']:>6}{lay.get('cp', 1):>4}"
             + "".join(f"{_gb(v):>10}" for v in values)
             + f"  {_fits_label(lay)}"
         )

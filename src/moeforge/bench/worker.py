@@ -217,6 +217,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             "dp": mesh.dp,
             "ep": mesh.ep,
             "edp": mesh.edp,
+            "cp": mesh.cp,
             "dispatcher": dispatcher_name(trainer),
             "overlap_grad_reduce": cfg.parallel.overlap_grad_reduce,
             # what each stack holds: ddp stores weights in param_dtype; fsdp keeps fp32 shards and gathers
