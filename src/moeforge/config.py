@@ -144,7 +144,7 @@ class ParallelConfig:
     pp_stages_per_rank: int = 1  # virtual stages per rank: >= 2 for interleaved_1f1b, 2 for zbv (the V)
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per stage; empty: balance training FLOPs
     tp: int = 1  # tensor-parallel degree: attention, dense MLPs and head split over tp ranks (ddp stack, pp=1)
-    cp: int = 1  # context-parallel degree (only 1 is implemented)
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (load-balanced causal chunks; ddp, pp=1)
     stack: Literal["ddp", "fsdp"] = "ddp"  # expert-resident DDP with a distributed optimizer, or FSDP2
     overlap_grad_reduce: bool = True  # ddp: reduce gradient buckets during the backward pass
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient buffers and their reduction (both stacks)

@@ -167,8 +167,9 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
 
     p = cfg.parallel
-    _check(p.cp == 1, "parallel.cp", f"only 1 is supported in this release, got {p.cp}")
     check_tp(cfg)
+    check_cp(cfg)
+    _check(p.tp == 1 or p.cp == 1, "parallel.cp", "tp > 1 together with cp > 1 is not supported yet; use one of them")
     check_pipeline(cfg)
     check_ep(p.ep, moe.num_experts)
     _check(p.dp >= 0, "parallel.dp", "must be >= 0 (0: inferred from the world size)")
@@ -196,6 +197,21 @@ def check_tp(cfg: Config) -> None:
     )
     _check(p.stack == "ddp", "parallel.stack", "parallel.tp > 1 needs the ddp stack (fsdp + tp is not supported)")
     _check(p.pp == 1, "parallel.pp", "parallel.tp > 1 with parallel.pp > 1 is not supported yet; use pp=1")
+
+
+def check_cp(cfg: Config) -> None:
+    """The context-parallel rules that do not need the world size."""
+    p, seq = cfg.parallel, cfg.data.seq_len
+    _check(p.cp >= 1, "parallel.cp", f"must be >= 1, got {p.cp}")
+    if p.cp == 1:
+        return
+    _check(
+        seq % (2 * p.cp) == 0,
+        "parallel.cp",
+        f"must split data.seq_len ({seq}) into 2 * cp = {2 * p.cp} equal chunks; pick cp with seq_len % (2 * cp) == 0",
+    )
+    _check(p.stack == "ddp", "parallel.stack", "parallel.cp > 1 with the fsdp stack is not supported yet; use ddp")
+    _check(p.pp == 1, "parallel.pp", "parallel.cp > 1 with pipeline parallelism is not supported yet; use pp=1")
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
@@ -284,22 +300,24 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     _check(
         p.pp >= 1 and world_size % p.pp == 0, "parallel.pp", f"must divide the world size ({world_size}), got {p.pp}"
     )
+    other = p.pp * p.cp * p.tp
     _check(
-        p.tp >= 1 and world_size % (p.pp * p.tp) == 0,
-        "parallel.tp",
-        f"pp ({p.pp}) * tp ({p.tp}) must divide the world size ({world_size}), got tp={p.tp}",
+        world_size % other == 0,
+        "parallel.cp",
+        f"pp ({p.pp}) * cp ({p.cp}) * tp ({p.tp}) = {other} must divide the world size ({world_size})",
     )
-    dp = p.dp or world_size // (p.pp * p.tp)
+    dp = p.dp or world_size // other
     _check(
-        dp * p.pp * p.tp == world_size,
+        dp * other == world_size,
         "parallel.dp",
-        f"pp ({p.pp}) * dp ({dp}) * tp ({p.tp}) must equal the world size ({world_size})",
+        f"pp ({p.pp}) * dp ({dp}) * cp ({p.cp}) * tp ({p.tp}) must equal the world size ({world_size})",
     )
     check_ep(p.ep, world_size=world_size)
     _check(
-        dp % p.ep == 0,
+        dp * p.cp % p.ep == 0,
         "parallel.ep",
-        f"must divide the data-parallel size (world {world_size} / (pp {p.pp} * tp {p.tp}) = {dp}), got {p.ep}",
+        f"must divide the data-parallel size of a stage (dp {dp} * cp {p.cp} = {dp * p.cp} ranks; experts are "
+        f"folded over dp x cp), got {p.ep}",
     )
     if p.ep > 1 and cfg.model.moe.dispatcher == "local":
         raise ConfigError(

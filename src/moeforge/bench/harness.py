@@ -33,7 +33,18 @@ from moeforge.train.environment import collect_env
 
 log = logging.getLogger(__name__)
 
-COMPARISONS = ("stacks", "dispatchers", "overlap", "precision", "routing", "pipeline", "tensor", "hf", "hf_layer")
+COMPARISONS = (
+    "stacks",
+    "dispatchers",
+    "overlap",
+    "precision",
+    "routing",
+    "pipeline",
+    "tensor",
+    "context",
+    "hf",
+    "hf_layer",
+)
 DEFAULT_CONFIGS = {
     "stacks": "stacks.yaml",
     "dispatchers": "stacks.yaml",
@@ -44,6 +55,7 @@ DEFAULT_CONFIGS = {
     "hf": "hf.yaml",
     "hf_layer": "hf.yaml",
     "tensor": "stacks.yaml",
+    "context": "stacks.yaml",
     "sweep": "experts.yaml",
     None: "stacks.yaml",
 }
@@ -107,6 +119,11 @@ def comparison_variants(kind: str, nproc: int, ep: int, fp8: bool = False) -> li
         return [
             Variant(base, nproc, ddp),
             Variant("tp2", nproc, ["--parallel.stack=ddp", "--parallel.ep=1", "--parallel.tp=2"]),
+        ]
+    if kind == "context":  # the same global batches, each sequence split over 2 ranks (dp halves)
+        return [
+            Variant(base, nproc, [*ddp, "--parallel.cp=1"]),
+            Variant(f"{base}+cp2", nproc, [*ddp, "--parallel.cp=2"]),
         ]
     raise ConfigError(f"--compare: must be one of {', '.join(COMPARISONS)}, got {kind!r}")
 

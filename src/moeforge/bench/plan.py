@@ -25,6 +25,11 @@ fp32 master 4 in bf16 only + two fp32 Adam moments 8):
   the attention heads and MLP hidden units ``1/tp``, plus the gathered
   block inputs. ``tp`` comm: per micro-batch an all-gather and a
   reduce-scatter of ``tokens x d`` around every tp region, forward and backward.
+- cp (``parallel.cp``, ddp only): each rank holds ``seq / cp`` tokens of every
+  sequence, so activations and all-to-all rows shrink by cp, dp (batches) is
+  ``world / cp`` while the dense state stays sharded over all ``world`` ranks;
+  attention keeps the all-gathered full-length K and V per layer, and each
+  layer all-gathers K/V forward and reduce-scatters their gradients backward.
 
 Collective volumes are what one rank sends with ring/pairwise algorithms:
 all-gather and reduce-scatter ``(g-1)/g * S``, all-to-all ``(g-1)/g`` of the
@@ -67,6 +72,7 @@ class LayoutPlan:
     fits_without_checkpointing: bool
     fits_with_checkpointing: bool
     tp: int = 1
+    cp: int = 1  # context-parallel degree (ranks sharing each sequence)
 
 
 def meta_param_stats(cfg: Config) -> dict[str, int]:
@@ -105,8 +111,8 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     the norms and the router keep fp32 copies of their inputs, and autocast over
     fp32 weights keeps one bf16 copy of every matmul weight (per micro-batch).
     """
-    m, moe = cfg.model, cfg.model.moe
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    m, moe, cp = cfg.model, cfg.model.moe, cfg.parallel.cp
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp  # this rank's tokens (its cp chunks)
     a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
     tp = cfg.parallel.tp
     s = 1 / tp  # sequence-parallel share of per-token values on the residual stream
@@ -118,6 +124,7 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     qk = m.qk_norm != "none"
     per_head = (16 if qk else 8) if a == 4 else (11 if qk else 5)
     attn = a * 3 * d * s + g + per_head * (h + kv) * hd * s
+    attn += a * 2 * kv * hd * (cp - 1)  # cp: the gathered K and V of the whole sequence
     moe_ffn = a * (3 * d + 2 * r * k * d + 4 * r * k * f + 4 * moe.shared_expert_hidden) * s
     moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts * s + (g if moe.shared_expert_hidden else 0)
     dense_ffn = a * (3 * d * s + 4 * m.dense_hidden * s) + g
@@ -177,10 +184,12 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
         b_o = 8
     total, expert, dense = stats["total"], stats["expert"], stats["dense"]
     tp = cfg.parallel.tp if stack == "ddp" else 1
-    dp, edp = world // tp, world // ep
+    cp = cfg.parallel.cp
+    data, edp = world // tp, world // ep  # data: the dp x cp ranks of one tp index
+    dp = data // cp  # batches
     ga = grad_accum_steps(cfg, dp)
     act = activation_bytes(cfg)
-    comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0, "tp": 0.0}
+    comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0, "tp": 0.0, "context": 0.0}
     if stack == "fsdp":
         block = stats["largest_block"]
         weights = total * 4 / world + (2 * block * b_w if world > 1 else 0)
@@ -193,11 +202,13 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
         rep = dense - split  # replicated dense: state over all ranks (dp x tp)
         local = rep + split / tp + expert / ep
         weights, grads = local * b_w, local * b_g
-        optim = split / tp * b_o / dp + rep * b_o / world + (expert / ep) * b_o / edp
+        optim = split / tp * b_o / data + rep * b_o / world + (expert / ep) * b_o / edp
         for key, b in (("reduce_scatter", b_g), ("all_gather", b_w)):
-            comm[key] = _gather(split / tp * b, dp) + _gather(rep * b, world) + _gather(expert / ep * b, edp)
+            comm[key] = _gather(split / tp * b, data) + _gather(rep * b, world) + _gather(expert / ep * b, edp)
         a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
-        tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+        tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
+        kv_full = cp * tokens * 2 * cfg.model.kv_heads * cfg.model.dim_head * a  # K and V of whole sequences
+        comm["context"] = ga * cfg.model.n_layers * 2 * _gather(kv_full, cp)  # gather forward, scatter backward
         moe = cfg.model.moe
         rows = tokens / tp * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
         comm["all_to_all"] = ga * stats["moe_layers"] * 4 * _gather(rows, ep)
@@ -216,13 +227,14 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     }
     fits_full = memory["total"] <= mem_bytes
     fits_ac = memory["total_checkpointed"] <= mem_bytes
-    return LayoutPlan(stack, ep, dp, memory, comm, fits_full or fits_ac, fits_full, fits_ac, tp)
+    return LayoutPlan(stack, ep, dp, memory, comm, fits_full or fits_ac, fits_full, fits_ac, tp, cp)
 
 
 def valid_layouts(cfg: Config, world: int) -> list[tuple[str, int]]:
-    """(stack, ep) pairs: fsdp with ep=1, ddp with every ep dividing num_experts and the world.
+    """(stack, ep) pairs: fsdp with ep=1, ddp with every ep dividing num_experts and the data ranks.
 
-    With ``parallel.tp > 1``: ddp only, ep dividing the ``world / tp`` data ranks.
+    With ``parallel.tp > 1`` or ``parallel.cp > 1``: ddp only, ep dividing the ``world / tp`` data ranks
+    (experts are folded over dp x cp).
     """
     experts, tp = cfg.model.moe.num_experts, cfg.parallel.tp
     data = world // tp
@@ -235,7 +247,7 @@ def valid_layouts(cfg: Config, world: int) -> list[tuple[str, int]]:
         return True
 
     ddp = [("ddp", ep) for ep in range(1, min(experts, data) + 1) if valid(ep)]
-    return ddp if tp > 1 else [("fsdp", 1), *ddp]
+    return ddp if tp > 1 or cfg.parallel.cp > 1 else [("fsdp", 1), *ddp]
 
 
 def _host_memory_bytes() -> float:
@@ -247,6 +259,9 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
     ``layouts``, ...). ``mem_gb`` overrides the device's memory (decimal GB)."""
     if world < 1:
         raise ConfigError(f"--world: must be >= 1, got {world}")
+    cp = cfg.parallel.cp
+    if cp > 1 and (world % cp or cfg.data.seq_len % (2 * cp)):
+        raise ConfigError(f"parallel.cp: {cp} must divide --world ({world}) and data.seq_len / 2 ({cfg.data.seq_len})")
     if mem_gb is not None and mem_gb <= 0:
         raise ConfigError(f"--mem-gb: must be > 0, got {mem_gb}")
     if cfg.model.vocab_size <= 0:
@@ -328,7 +343,7 @@ def format_plan(plan: dict[str, Any], config_name: str = "") -> str:
         "",
     ]
     cols = ("weights", "grads", "optim", "act", "act AC", "total", "total AC", "a2a", "AG+RS")
-    header = f"{'stack':<7}{'ep':>5}{'dp':>6}" + "".join(f"{c:>10}" for c in cols) + "  fits"
+    header = f"{'stack':<7}{'ep':>5}{'dp':>6}{'cp':>4}" + "".join(f"{c:>10}" for c in cols) + "  fits"
     lines.append(header)
     lines.append("-" * len(header))
     for lay in plan["layouts"]:
@@ -343,10 +358,10 @@ def format_plan(plan: dict[str, Any], config_name: str = "") -> str:
             mem["total"],
             mem["total_checkpointed"],
             comm["all_to_all"],
-            comm["all_gather"] + comm["reduce_scatter"] + comm.get("tp", 0.0),
+            comm["all_gather"] + comm["reduce_scatter"] + comm.get("tp", 0.0) + comm.get("context", 0.0),
         )
         lines.append(
-            f"{stack:<7}{lay['ep']:>5}{lay['dp']:>6}"
+            f"{stack:<7}{lay['ep']:>5}{lay['dp']:>6}{lay.get('cp', 1):>4}"
             + "".join(f"{_gb(v):>10}" for v in values)
             + f"  {_fits_label(lay)}"
         )

@@ -263,6 +263,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             "pp_stages_per_rank": cfg.parallel.pp_stages_per_rank if mesh.pp > 1 else None,
             "edp": mesh.edp,
             "tp": mesh.tp,
+            "cp": mesh.cp,
             "dispatcher": dispatcher_name(trainer),
             "overlap_grad_reduce": cfg.parallel.overlap_grad_reduce,
             # what each stack holds: ddp stores weights in param_dtype; fsdp keeps fp32 shards and gathers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,9 @@ from torch import Tensor, nn
 
 from moeforge.config import ModelConfig
 from moeforge.model.layers import RMSNorm, apply_rope
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, bool], Tensor]
+"""``fn(q, k, v, enable_gqa) -> out``: causal attention of ``q: (B, H, T, hd)`` over ``k, v: (B, Hkv, T, hd)``."""
 
 
 @dataclass
@@ -35,7 +39,8 @@ class KVCache:
 class Attention(nn.Module):
     """Causal GQA. ``qk_norm``: 'full' normalises the whole projection (OLMoE), 'per_head' each head (Qwen3).
 
-    ``attn_bias`` adds biases to the q/k/v projections (Qwen2-MoE)."""
+    ``attn_bias`` adds biases to the q/k/v projections (Qwen2-MoE). ``attention_fn``, when set (by
+    a ``parallelize_*`` function, e.g. context parallelism), replaces the causal SDPA core without a cache."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -55,6 +60,7 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "per_head":
             self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.norm_eps)
+        self.attention_fn: AttentionFn | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape
@@ -68,6 +74,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.attention_fn is not None and cache is None:
+            out = self.attention_fn(q, k, v, self.n_kv != self.n_heads)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         causal = T > 1 and k.shape[2] == T

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -45,11 +46,17 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # ``fn(T, device) -> (T,)`` global positions of the T tokens fed without a cache; None: 0..T-1.
+        # A ``parallelize_*`` function sets it when the input is a part of each sequence (context parallelism).
+        self.positions_fn: Callable[[int, torch.device], Tensor] | None = None
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, start_pos: int = 0) -> Tensor:
         """Logits ``(B, T, V)`` of token ids ``(B, T)`` (a pipeline stage: see :meth:`blocks`)."""
         T = input_ids.shape[1]
-        positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
+        if self.positions_fn is not None and cache is None:
+            positions = self.positions_fn(T, input_ids.device)
+        else:
+            positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
         cos, sin = rope_tables(self.cfg.dim_head, positions, self.cfg.rope_theta)
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         for block in self.blocks():

@@ -1,11 +1,12 @@
 """Bucketed gradient reduction for the DDP-based stack (the distributed optimizer's input).
 
 Every trainable parameter belongs to one data-parallel group: dense parameters
-(and experts when ``ep == 1``) to ``mesh.dp_group``, expert parameters under
-expert parallelism to ``mesh.edp_group`` (no group when ``edp == 1``). Under
-tensor parallelism (``tp > 1``) tp-sharded parameters stay on ``mesh.dp_group``
-(the ranks with the same tp index), while replicated dense parameters, which
-see a different slice of the sequence on each tp rank, are reduced over
+(and experts when ``ep == 1``) to ``mesh.dp_cp_group`` (the stage's dp x cp
+ranks of this tp index: context-parallel ranks see different tokens too),
+expert parameters under expert parallelism to ``mesh.edp_group`` (no group
+when ``edp == 1``). Under tensor parallelism (``tp > 1``) tp-sharded
+parameters stay on ``mesh.dp_cp_group``, while replicated dense parameters,
+which see a different slice of the sequence on each tp rank, are reduced over
 ``mesh.stage_group`` (dp x tp), and experts over ``mesh.edp_group`` (edp x tp).
 Parameters are packed, in reverse registration order (roughly the order
 backward produces them), into flat buckets of at most ``bucket_size_mb``;
@@ -178,7 +179,7 @@ class GradBucket:
 
 
 def bucket_group_kind(role: str, ep: int, dp: int, edp: int, tp: int = 1, tp_sharded: bool = False) -> str | None:
-    """The group a parameter's gradient is reduced over: ``"edp"``, ``"dp"``, ``"stage"`` or None (a group of one).
+    """The group a parameter's gradient is reduced over: ``"edp"``, ``"dp"`` (the dp x cp ranks), ``"stage"`` or None (a group of one).
 
     ``tp_sharded``: the parameter is sharded over the tp ranks (each holds a different slice).
     """
@@ -250,10 +251,10 @@ def build_buckets(
                 local.numel(),
                 local.element_size(),
                 local.dtype,
-                bucket_group_kind(role, mesh.ep, mesh.dp, mesh.edp, mesh.tp, is_tp_sharded(p)),
+                bucket_group_kind(role, mesh.ep, mesh.dp_cp, mesh.edp, mesh.tp, is_tp_sharded(p)),
             )
         )
-    groups = {"dp": mesh.dp_group, "edp": mesh.edp_group, "stage": mesh.stage_group, None: None}
+    groups = {"dp": mesh.dp_cp_group, "edp": mesh.edp_group, "stage": mesh.stage_group, None: None}
     device = local_tensor(named[0][1]).device if named else torch.device("cpu")
     return [
         GradBucket(i, [named[k][:2] for k in members], groups[kind], dtype, device, grad_dtype)
@@ -274,7 +275,7 @@ class GradReducer:
     ) -> None:
         named = [(name, p, role) for name, p, role in named_parameter_roles(model) if p.requires_grad]
         self.overlap = overlap
-        self.scale = 1.0 / mesh.dp
+        self.scale = 1.0 / mesh.dp_cp  # every rank's loss is the mean of its own (equally many) tokens
         self.buckets = build_buckets(named, mesh, bucket_size_mb, grad_dtype)
         self._sync = True
         self._next = 0

@@ -1,31 +1,36 @@
 """One DeviceMesh for the run, with named dims and the process groups derived from it.
 
-Layout (cp is 1 in this release): ``world = pp * dp * tp`` with ``dp = edp * ep``,
-pp outermost, then edp, ep, and tp innermost: ``rank = (pp_i * dp + dp_i) * tp + tp_i``,
-so pipeline stage ``s`` is ranks ``[s * dp * tp, (s + 1) * dp * tp)``. Expert
-parallelism is folded over the data ranks of one tp index (the ranks that
-see different tokens): with ``tp == 1`` ranks ``[0, ep)`` hold all experts.
+Layout: ``world = pp * dp * cp * tp``, dims in that order with tp innermost:
+``rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i``. Pipeline stage ``s``
+is ranks ``[s * dp * cp * tp, (s + 1) * dp * cp * tp)``. ``dp`` counts the
+distinct batches of a stage; the ``cp`` ranks of one ``dp`` index hold chunks
+of the same sequences (:mod:`moeforge.parallel.context`); the ``tp`` ranks of
+one (dp, cp) index share a tensor-parallel group (:mod:`moeforge.parallel.tensor`).
 
-Tensor parallelism (``tp > 1``, :mod:`moeforge.parallel.tensor`) shards the
-attention, dense MLPs and head over ``tp_group`` and runs the rest of the
-block sequence-parallel: each tp rank holds its own slice of the sequence, so
-parameters that are *not* tp-sharded (norms, routers, experts) see different
-tokens on each tp rank. Their gradients are therefore reduced over the tp
-ranks too: replicated dense parameters over ``stage_group`` (every rank of
-the stage, dp x tp), experts over ``edp_group``, which then spans edp x tp
-(the ranks holding the same experts). tp-sharded parameters are reduced over
-``dp_group`` (the ranks with the same tp index). Dense parameters of a stage are replicated over the
-stage's ``dp`` group (the world when ``pp == 1``); expert parameters are
-sharded over ``ep`` and replicated over ``edp`` (the expert-data-parallel
-group: ranks of the stage that hold the same experts). The ``pp`` group links
-the ranks that hold the same data shard in different stages; collectives that
-must see every parameter or every loss (gradient norm, finite checks, the
-step's losses) use the ``world_group``. With ``tp == 1`` every group is what
-it was before tensor parallelism (``stage_group`` is ``dp_group``).
+Expert parallelism is folded over ``dp x cp``: for one (stage, tp index)
+those ranks are the MoE's data ranks, split ``(edp, ep)`` with ep innermost,
+so with ``cp == tp == 1`` ranks ``[0, ep)`` of a stage hold all experts
+between them. The MoE DeviceMesh has dims ``("pp"?, "edp", "ep", "tp"?)``.
+
+Which group reduces which gradient (:mod:`moeforge.parallel.grad_buckets`):
+
+- dense parameters over ``dp_cp_group`` (the stage's ranks of this tp index:
+  cp ranks see other tokens of the same sequences);
+- under tensor parallelism, the tp-sharded parameters over ``dp_cp_group``
+  too, and the replicated ones (norms, routers), which see a different slice
+  of the sequence on each tp rank, over ``stage_group`` (every rank of the stage);
+- experts over ``edp_group``: the stage's ranks holding the same experts
+  (edp x tp of them).
+
+The ``pp`` group links the ranks that hold the same data shard in different
+stages; collectives that must see every parameter or every loss (gradient
+norm, finite checks, the step's losses) use the ``world_group``. With
+``cp == tp == 1`` every group is what it was before either existed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -37,31 +42,50 @@ from moeforge.config_validation import check_ep
 
 @dataclass
 class MoEMesh:
-    """World layout. Groups are None when the run is a single process."""
+    """World layout. Groups are None when the run is a single process (or, for cp/tp, when that dim is 1)."""
 
     world_size: int = 1
     rank: int = 0
     ep: int = 1
     pp: int = 1
+    cp: int = 1
     tp: int = 1
-    mesh: DeviceMesh | None = None  # dims ("edp", "ep"), ("pp",) in front when pp > 1, "tp" behind when tp > 1
-    dp_group: dist.ProcessGroup | None = None  # this stage's data-parallel ranks (same tp index)
+    mesh: DeviceMesh | None = None  # the MoE mesh: dims ("edp", "ep"), ("pp",) in front when pp > 1, "tp" behind
+    dp_group: dist.ProcessGroup | None = None  # this stage's ranks of the same cp and tp index (one per batch)
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None  # ranks of the stage holding the same experts (edp x tp)
     pp_group: dist.ProcessGroup | None = None  # one rank of each stage (same dp index)
     world_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None  # the cp ranks sharing this rank's sequences (None when cp == 1)
+    dp_cp_group: dist.ProcessGroup | None = None  # dense gradients' group: the stage's dp x cp ranks of this tp index
+    stage_group: dist.ProcessGroup | None = None  # every rank of this stage: tp-replicated dense params under tp
     tp_group: dist.ProcessGroup | None = None  # the tensor-parallel ranks (None when tp == 1)
-    stage_group: dist.ProcessGroup | None = None  # every rank of this stage (dp x tp): replicated dense params
+    cp_mesh: DeviceMesh | None = None  # 1-D mesh of ``cp_group`` (None when cp == 1)
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: distinct data shards (batches) per stage, ``world / (pp * tp)``."""
-        return self.world_size // (self.pp * self.tp)
+        """Distinct data shards (batches) of a stage: ``world / (pp * cp * tp)``."""
+        return self.world_size // (self.pp * self.cp * self.tp)
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks of a stage (one tp index) that see different tokens: the dense gradients' group size."""
+        return self.dp * self.cp
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel degree (replicas of each expert within a stage)."""
-        return self.dp // self.ep
+        """Expert-data-parallel degree (replicas of each expert within a stage's dp x cp ranks)."""
+        return self.dp_cp // self.ep
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index inside its tensor-parallel group."""
+        return self.rank % self.tp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index inside its context-parallel group (which chunks of the sequence it holds)."""
+        return (self.rank // self.tp) % self.cp
 
     @property
     def ep_rank(self) -> int:
@@ -71,22 +95,12 @@ class MoEMesh:
     @property
     def dp_rank(self) -> int:
         """This rank's index inside its stage's data-parallel group (its data shard)."""
-        return (self.rank // self.tp) % self.dp
+        return (self.rank // (self.tp * self.cp)) % self.dp
 
     @property
     def pp_rank(self) -> int:
         """The pipeline stage this rank runs."""
-        return self.rank // (self.dp * self.tp)
-
-    @property
-    def tp_rank(self) -> int:
-        """This rank's index inside its tensor-parallel group."""
-        return self.rank % self.tp
-
-    @property
-    def tp_mesh(self) -> DeviceMesh | None:
-        """The 1-D sub-mesh over which tensor-parallel weights are sharded (None when tp == 1)."""
-        return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
+        return self.rank // (self.dp_cp * self.tp)
 
     @property
     def distributed(self) -> bool:
@@ -99,18 +113,32 @@ class MoEMesh:
         return self.mesh["ep"] if self.mesh is not None else None
 
     @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D sub-mesh over which tensor-parallel weights are sharded (None when tp == 1)."""
+        return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
+
+    @property
     def dp_mesh(self) -> DeviceMesh | None:
-        """The 1-D sub-mesh of a stage's data-parallel ranks when ``ep == 1`` (the fsdp stack's)."""
+        """The 1-D sub-mesh of a stage's data-parallel ranks when ``ep == 1`` and ``cp == 1`` (the fsdp stack's)."""
         return self.mesh["edp"] if self.mesh is not None else None
 
 
-def _new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup | None:
-    """Create a group for every list (every rank creates all, in the same order); return this rank's."""
+def partition_group(world: int, rank: int, key: Callable[[int], Hashable]) -> dist.ProcessGroup:
+    """This rank's group of the partition of ``range(world)`` by ``key`` (collective: every rank creates all).
+
+    A partition into one part is the world group itself (no new group).
+    """
+    members: dict[Hashable, list[int]] = {}
+    for r in range(world):
+        members.setdefault(key(r), []).append(r)
+    if len(members) == 1:
+        return dist.group.WORLD
     mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks)
-        if rank in ranks:
+    for k in sorted(members):  # type: ignore[type-var]  # the same creation order on every rank
+        group = dist.new_group(members[k])
+        if k == key(rank):
             mine = group
+    assert mine is not None
     return mine
 
 
@@ -120,48 +148,51 @@ def build_mesh(cfg: ParallelConfig, device_type: str = "cpu") -> MoEMesh:
         return MoEMesh()
     world, rank = dist.get_world_size(), dist.get_rank()
     check_ep(cfg.ep, world_size=world)
-    pp, tp = cfg.pp, cfg.tp
-    dp = world // (pp * tp)
-    shape, names = (dp // cfg.ep, cfg.ep), ("edp", "ep")
+    pp, cp, tp = cfg.pp, cfg.cp, cfg.tp
+    stage = world // pp  # ranks of one stage
+    data = stage // tp  # the MoE's data ranks of one (stage, tp index): dp x cp
+    shape, names = (data // cfg.ep, cfg.ep), ("edp", "ep")
     if pp > 1:
         shape, names = (pp, *shape), ("pp", *names)
     if tp > 1:
         shape, names = (*shape, tp), (*names, "tp")
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    pp_group = mesh.get_group("pp") if pp > 1 else None
-    tp_group = mesh.get_group("tp") if tp > 1 else None
-    world_group = dist.group.WORLD
-    stage = dp * tp  # ranks per pipeline stage
-    dp_group, stage_group, edp_group = world_group, world_group, mesh.get_group("edp")
-    if pp > 1 or tp > 1:
-        dp_lists = [list(range(s * stage + t, (s + 1) * stage, tp)) for s in range(pp) for t in range(tp)]
-        dp_group = _new_groups(dp_lists, rank)
-    if pp > 1:
-        stage_group = (
-            dp_group if tp == 1 else _new_groups([list(range(s * stage, (s + 1) * stage)) for s in range(pp)], rank)
-        )
+
+    def pp_i(r: int) -> int:
+        return r // stage
+
+    def tp_i(r: int) -> int:
+        return r % tp
+
+    def cp_i(r: int) -> int:
+        return (r // tp) % cp
+
+    stage_group = partition_group(world, rank, pp_i)
+    dp_cp_group = stage_group if tp == 1 else partition_group(world, rank, lambda r: (pp_i(r), tp_i(r)))
+    dp_group = dp_cp_group if cp == 1 else partition_group(world, rank, lambda r: (pp_i(r), cp_i(r), tp_i(r)))
+    cp_group = cp_mesh = None
+    if cp > 1:  # same pp, dp and tp index
+        cp_group = partition_group(world, rank, lambda r: (pp_i(r), r // (cp * tp), tp_i(r)))
+        cp_mesh = DeviceMesh.from_group(cp_group, device_type, mesh_dim_names=("cp",))
+    edp_group = mesh.get_group("edp")
     if tp > 1:  # ranks with the same experts: same stage and ep index, any edp and tp index
-        ep = cfg.ep
-        edp_group = _new_groups(
-            [
-                [s * stage + (d * ep + e) * tp + t for d in range(dp // ep) for t in range(tp)]
-                for s in range(pp)
-                for e in range(ep)
-            ],
-            rank,
-        )
+        edp_group = partition_group(world, rank, lambda r: (pp_i(r), (r // tp) % cfg.ep))
     return MoEMesh(
         world_size=world,
         rank=rank,
         ep=cfg.ep,
         pp=pp,
+        cp=cp,
         tp=tp,
         mesh=mesh,
         dp_group=dp_group,
         ep_group=mesh.get_group("ep"),
         edp_group=edp_group,
-        pp_group=pp_group,
-        world_group=world_group,
-        tp_group=tp_group,
+        pp_group=mesh.get_group("pp") if pp > 1 else None,
+        world_group=dist.group.WORLD,
+        cp_group=cp_group,
+        dp_cp_group=dp_cp_group,
         stage_group=stage_group,
+        tp_group=mesh.get_group("tp") if tp > 1 else None,
+        cp_mesh=cp_mesh,
     )

@@ -6,6 +6,7 @@ from torch import nn
 
 from moeforge.config import Config
 from moeforge.parallel.activation_checkpoint import apply_activation_checkpointing
+from moeforge.parallel.context import parallelize_context
 from moeforge.parallel.ddp import DDPStack
 from moeforge.parallel.expert import parallelize_experts
 from moeforge.parallel.fsdp import FSDPStack
@@ -20,9 +21,9 @@ def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
     In order: parameters cast to ``train.param_dtype`` (not for FSDP, which keeps
     fp32 shards and casts what it gathers), tensor parallelism over ``tp``
     (attention, dense MLPs, head; sequence-parallel elsewhere), experts sharded over ``ep`` with the
-    configured dispatcher and a random-routing stream per rank, activation
-    checkpointing, then the stack. One process gets the :class:`LocalStack`,
-    or, with bf16 parameters, the ddp stack with groups of one (for its fp32
+    configured dispatcher and a random-routing stream per rank, context
+    parallelism (``parallel.cp > 1``), activation checkpointing, then the stack.
+    One process gets the :class:`LocalStack`, or, with bf16 parameters, the ddp stack with groups of one (for its fp32
     masters).
     """
     fsdp = mesh.distributed and cfg.parallel.stack == "fsdp"
@@ -30,6 +31,7 @@ def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
         cast_parameters(model, DTYPES[cfg.train.param_dtype])
     parallelize_tensor(model, mesh)  # type: ignore[arg-type]
     parallelize_experts(model, mesh, cfg.model.moe.dispatcher)  # type: ignore[arg-type]
+    parallelize_context(model, mesh)  # type: ignore[arg-type]
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if fsdp:
         return FSDPStack(model, cfg, mesh)

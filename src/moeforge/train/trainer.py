@@ -16,7 +16,9 @@ from torch import Tensor
 
 from moeforge.config import Config, ConfigError, save_config
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
+from moeforge.data.cp_chunks import cp_chunks
 from moeforge.model import MoETransformer, build_model
+from moeforge.parallel.context import without_context_parallel
 from moeforge.parallel.low_precision import apply_low_precision
 from moeforge.parallel.memory import SavedTensorMeter, measure_state
 from moeforge.parallel.mesh import MoEMesh
@@ -147,7 +149,7 @@ class Trainer:
         meter = SavedTensorMeter(model) if measure else None  # only the first step pays for it
         for i, batch in enumerate(micro_batches):
             batch = batch.to(self.device, non_blocking=True)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
+            inputs, targets = cp_chunks(batch, mesh.cp, mesh.cp_rank)  # this cp rank's chunks
             stack.set_grad_sync(i == n_micro - 1)
             with meter if meter is not None and i == 0 else contextlib.nullcontext():
                 with self._autocast():
@@ -170,7 +172,8 @@ class Trainer:
         # The step's one collective: losses and every layer's load, summed over all ranks (all stages).
         packed = all_reduce_sum(torch.cat([sums, load_rows.reshape(-1)]), mesh.world_group)
         values = packed.cpu()
-        loss, lm, aux, z = (values[:4] / (mesh.dp * mesh.tp)).tolist()  # tp ranks hold the same loss
+        # tp ranks hold the same loss; cp ranks the means of their chunks (equally many tokens)
+        loss, lm, aux, z = (values[:4] / (mesh.dp_cp * mesh.tp)).tolist()
         loads = values[4:].view(load_rows.shape)
         # non-finite loss, gradient or update: skipped (the first two are already global values)
         finite = guarded_step(stack, model, mesh, float(grad_norm), loss)
@@ -186,7 +189,7 @@ class Trainer:
             counts = loads[rows, :num_experts].to(self.device)
             for layer, c in zip(own, counts):
                 layer.router.update_bias(c)
-        n_sources = n_micro * mesh.dp * mesh.tp  # forwards of each layer: micro-batches x data shards x tp slices
+        n_sources = n_micro * mesh.dp_cp * mesh.tp  # forwards of each layer: micro-batches x dp x cp x tp slices
         balance = per_layer_metrics(loads, num_experts, mesh.ep, n_sources) if len(loads) else {}
         return StepResult(loss, lm, aux, z, float(grad_norm), not finite, loads, n_sources, balance)
 
@@ -221,12 +224,12 @@ class Trainer:
             if self.pipeline is not None:
                 acc += pipelined_eval_sums(self, batch)
                 continue
+            inputs, targets = cp_chunks(batch, self.mesh.cp, self.mesh.cp_rank)
             with self._autocast():
-                logits = self.model(batch[:, :-1])
-            loss = lm_loss_fn(logits, batch[:, 1:])
-            acc += torch.tensor(
-                [loss.item() * batch[:, 1:].numel(), batch[:, 1:].numel()], device=self.device, dtype=torch.float64
-            )
+                logits = self.model(inputs)
+            loss = lm_loss_fn(logits, targets)
+            n = targets.numel()
+            acc += torch.tensor([loss.item() * n, n], device=self.device, dtype=torch.float64)
         all_reduce_sum(acc, self.mesh.world_group)  # the last stage's sums (zeros elsewhere) over every shard
         self.model.train()
         val_loss = float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
@@ -388,6 +391,6 @@ class Trainer:
             self.checkpointer.wait()
             barrier(self.mesh)
             model = load_run_model(self.run_dir).to(self.device)
-        with self._autocast():
+        with self._autocast(), without_context_parallel(model):  # every rank feeds the whole sequence
             out = generate(model, ids, max_new_tokens, seed=self.cfg.train.seed)
         return tok.decode(out[0].tolist())

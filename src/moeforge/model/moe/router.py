@@ -49,6 +49,9 @@ class TopKRouter(nn.Module):
         # Sums per-token statistics over every part of the batch when its tokens are split over
         # several modules (set by parallel code, e.g. sequence parallelism); None: this forward sees them all.
         self.token_stats_reduce: Callable[[Tensor], Tensor] | None = None
+        # ``fn(counts) -> counts`` summed over the ranks that hold other tokens of the same sequences
+        # (set by context parallelism), so the aux loss's route fractions are those of whole sequences.
+        self.reduce_counts: Callable[[Tensor], Tensor] | None = None
 
     def set_random_stream(self, stream: int) -> None:
         """Draw random routes from stream ``stream`` of this layer (parallelize code passes the rank)."""
@@ -109,8 +112,12 @@ class TopKRouter(nn.Module):
         if self.token_stats_reduce is not None:
             aux, z = self._reduced_losses(logits, probs, counts)
             return RouterOutput(indices, weights, aux, z, counts)
-        n_routes = max(indices.numel(), 1)
-        aux = self.num_experts * (counts / n_routes * probs.mean(dim=0)).sum()
+        if self.reduce_counts is None:
+            seq_counts, n_routes = counts, max(indices.numel(), 1)
+        else:  # every route of the sequences counted once (equal token counts per rank)
+            seq_counts = self.reduce_counts(counts.clone())
+            n_routes = seq_counts.sum().clamp_min(1.0)
+        aux = self.num_experts * (seq_counts / n_routes * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean() if x.shape[0] else logits.sum()
         return RouterOutput(indices, weights, aux, z, counts)
 
