@@ -179,7 +179,7 @@ class GradBucket:
 
 
 def bucket_group_kind(role: str, ep: int, dp: int, edp: int, tp: int = 1, tp_sharded: bool = False) -> str | None:
-    """The group a parameter's gradient is reduced over: ``"edp"``, ``"dp"`` (the dp x cp ranks), ``"stage"`` or None (a group of one).
+    """The group a parameter's gradient is reduced over: ``"edp"``, ``"dp"`` (the dp x cp ranks), ``"stage"``, or None.
 
     ``tp_sharded``: the parameter is sharded over the tp ranks (each holds a different slice).
     """
