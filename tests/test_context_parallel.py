@@ -192,3 +192,16 @@ def test_plan_and_bench_know_cp() -> None:
         assert lay["comm_bytes"]["all_to_all"] == pytest.approx(ref["comm_bytes"]["all_to_all"])  # same tokens/step
     names = [v.name for v in comparison_variants("context", 2, 1)]
     assert names == ["ddp+ep1", "ddp+ep1+cp2"]
+
+
+def test_cli_rejects_a_bad_cp_layout_with_one_line_and_exit_2() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "moeforge", "plan", str(root / "configs/presets/olmoe-1b-7b.yaml"), "--world=8"]
+    p = subprocess.run([*cmd, "--parallel.cp=3"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "parallel.cp: must split data.seq_len (4096) into 2 * cp = 6" in lines[0], p.stderr
