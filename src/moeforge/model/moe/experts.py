@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moeforge.ops import grouped_mm, grouped_mm_loop
+from moeforge.ops.grouped_gemm import CPU_GROUP_ALIGN, aligned_groups
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -37,7 +38,15 @@ class GroupedExperts(nn.Module):
             x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
         else:
             x = x.to(w1.dtype)
-        mm = grouped_mm if self.impl == "grouped" else grouped_mm_loop
+        if self.impl == "grouped" and x.device.type == "cpu" and x.shape[0]:
+            # groups aligned to CPU_GROUP_ALIGN rows, so oneDNN reuses its compiled kernels (see aligned_groups)
+            pos, padded_offsets, total = aligned_groups(offsets, x.shape[0], CPU_GROUP_ALIGN)
+            padded = x.new_zeros(total, x.shape[1]).index_copy(0, pos, x)
+            return self._swiglu(grouped_mm, padded, w1, w2, padded_offsets).index_select(0, pos)
+        return self._swiglu(grouped_mm if self.impl == "grouped" else grouped_mm_loop, x, w1, w2, offsets)
+
+    @staticmethod
+    def _swiglu(mm, x: Tensor, w1: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
         h = mm(x, w1.transpose(-2, -1), offsets)
         gate, up = h.chunk(2, dim=-1)
         return mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets)
