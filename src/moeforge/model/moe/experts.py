@@ -28,6 +28,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, d_model: int, hidden: int, impl: str = "grouped") -> None:
         super().__init__()
         self.num_experts, self.d_model, self.hidden, self.impl = num_experts, d_model, hidden, impl
+        self.cpu_align = CPU_GROUP_ALIGN  # rows each group is aligned to on the CPU (1: no padding)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
 
@@ -38,9 +39,9 @@ class GroupedExperts(nn.Module):
             x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
         else:
             x = x.to(w1.dtype)
-        if self.impl == "grouped" and x.device.type == "cpu" and x.shape[0]:
-            # groups aligned to CPU_GROUP_ALIGN rows, so oneDNN reuses its compiled kernels (see aligned_groups)
-            pos, padded_offsets, total = aligned_groups(offsets, x.shape[0], CPU_GROUP_ALIGN)
+        if self.impl == "grouped" and x.device.type == "cpu" and x.shape[0] and self.cpu_align > 1:
+            # groups aligned to cpu_align rows, so oneDNN reuses its compiled kernels (see aligned_groups)
+            pos, padded_offsets, total = aligned_groups(offsets, x.shape[0], self.cpu_align)
             padded = x.new_zeros(total, x.shape[1]).index_copy(0, pos, x)
             return self._swiglu(grouped_mm, padded, w1, w2, padded_offsets).index_select(0, pos)
         return self._swiglu(grouped_mm if self.impl == "grouped" else grouped_mm_loop, x, w1, w2, offsets)
