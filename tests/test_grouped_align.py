@@ -24,6 +24,8 @@ def test_aligned_groups_layout() -> None:
 def test_experts_aligned_equal_loop_with_grads() -> None:
     g = torch.Generator().manual_seed(0)
     fast, ref = GroupedExperts(5, 16, 24, "grouped"), GroupedExperts(5, 16, 24, "loop")
+    assert torch.bfloat16 in fast.cpu_align_dtypes
+    fast.cpu_align, fast.cpu_align_dtypes = 16, (torch.float32,)  # the aligned path, checked exactly in fp32
     with torch.no_grad():
         for a, b in zip(fast.parameters(), ref.parameters()):
             a.copy_(torch.randn(a.shape, generator=g))

@@ -29,6 +29,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts, self.d_model, self.hidden, self.impl = num_experts, d_model, hidden, impl
         self.cpu_align = CPU_GROUP_ALIGN  # rows each group is aligned to on the CPU (1: no padding)
+        # the dtypes that get it: measured to pay in bf16 (1.6x a step) but not in fp32 (0.9x), docs/benchmarks.md
+        self.cpu_align_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
 
@@ -39,7 +41,8 @@ class GroupedExperts(nn.Module):
             x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
         else:
             x = x.to(w1.dtype)
-        if self.impl == "grouped" and x.device.type == "cpu" and x.shape[0] and self.cpu_align > 1:
+        aligned = self.cpu_align > 1 and x.dtype in self.cpu_align_dtypes
+        if self.impl == "grouped" and x.device.type == "cpu" and x.shape[0] and aligned:
             # groups aligned to cpu_align rows, so oneDNN reuses its compiled kernels (see aligned_groups)
             pos, padded_offsets, total = aligned_groups(offsets, x.shape[0], self.cpu_align)
             padded = x.new_zeros(total, x.shape[1]).index_copy(0, pos, x)
