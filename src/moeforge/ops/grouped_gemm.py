@@ -62,3 +62,32 @@ def grouped_mm_loop(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     if not outs:
         return x.new_zeros(x.shape[0], w.shape[-1])
     return torch.cat(outs, dim=0)
+
+
+#: CPU row alignment of each group in :func:`aligned_groups`.
+CPU_GROUP_ALIGN = 64
+
+
+def aligned_groups(offsets: Tensor, rows: int, align: int) -> tuple[Tensor, Tensor, int]:
+    """A layout where every group starts at a multiple of ``align`` rows: ``(position of each row, padded
+    int32 offsets, rows of the padded buffer)``.
+
+    Why: on the CPU, oneDNN compiles a matmul kernel for every new shape, and the per-expert row
+    counts change with every routing decision, so each group of a grouped GEMM met a fresh ``M``
+    and paid a kernel compilation (about 6 ms against 0.07 ms for a 300 x 256 x 512 bf16 product
+    measured here). With groups padded to multiples of ``align``, ``M`` takes few values and the
+    compiled kernels are reused. The padded rows are zeros: they add nothing to weight gradients
+    and their outputs are never read. The buffer size is a bound from shapes alone
+    (``rows + groups * (align - 1)``, rounded up), so nothing is read to the host.
+    """
+    groups = offsets.shape[0]
+    ends = offsets.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_counts = (counts + align - 1) // align * align
+    padded_ends = padded_counts.cumsum(0)
+    # rows of group g move by (its padded start - its start); rows past the last group keep their order after it
+    shift = torch.cat([(padded_ends - padded_counts) - (ends - counts), (padded_ends - ends)[-1:]])
+    row = torch.arange(rows, device=offsets.device)
+    pos = row + shift[torch.searchsorted(ends, row, right=True)]
+    total = -(-(rows + groups * (align - 1)) // align) * align
+    return pos, padded_ends.to(torch.int32), total

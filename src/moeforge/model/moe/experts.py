@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moeforge.ops import grouped_mm, grouped_mm_loop
+from moeforge.ops.grouped_gemm import CPU_GROUP_ALIGN, aligned_groups
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -31,6 +32,9 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, d_model: int, hidden: int, impl: str = "grouped") -> None:
         super().__init__()
         self.num_experts, self.d_model, self.hidden, self.impl = num_experts, d_model, hidden, impl
+        self.cpu_align = CPU_GROUP_ALIGN  # rows each group is aligned to on the CPU (1: no padding)
+        # the dtypes that get it: measured to pay in bf16 (1.6x a step) but not in fp32 (0.9x), docs/benchmarks.md
+        self.cpu_align_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.gemm: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
@@ -42,7 +46,18 @@ class GroupedExperts(nn.Module):
             x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
         else:
             x = x.to(w1.dtype)
-        mm = self.gemm or (grouped_mm if self.impl == "grouped" else grouped_mm_loop)
+        if self.gemm is not None:  # a low-precision GEMM installed by parallel code (it pads groups itself)
+            return self._swiglu(self.gemm, x, w1, w2, offsets)
+        aligned = self.cpu_align > 1 and x.dtype in self.cpu_align_dtypes
+        if self.impl == "grouped" and x.device.type == "cpu" and x.shape[0] and aligned:
+            # groups aligned to cpu_align rows, so oneDNN reuses its compiled kernels (see aligned_groups)
+            pos, padded_offsets, total = aligned_groups(offsets, x.shape[0], self.cpu_align)
+            padded = x.new_zeros(total, x.shape[1]).index_copy(0, pos, x)
+            return self._swiglu(grouped_mm, padded, w1, w2, padded_offsets).index_select(0, pos)
+        return self._swiglu(grouped_mm if self.impl == "grouped" else grouped_mm_loop, x, w1, w2, offsets)
+
+    @staticmethod
+    def _swiglu(mm, x: Tensor, w1: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
         h = mm(x, w1.transpose(-2, -1), offsets)
         gate, up = h.chunk(2, dim=-1)
         return mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets)
