@@ -1,5 +1,6 @@
 """A/B of the CPU group alignment: two moeforge models (same weights, tokens, AdamW) trained side by side,
-``GroupedExperts.cpu_align`` 64 against 1 (off), alternating step by step in one process, one thread.
+``GroupedExperts.cpu_align`` 64 against 1 (off), for every dtype (the default aligns bf16/fp16 only),
+alternating step by step in one process, one thread.
 
     PYTHONPATH=src python scripts/bench_cpu_align.py OUT.json bf16_autocast fp32
 """
@@ -33,6 +34,7 @@ def main(out: str, modes: list[str]) -> None:
                 model = model.to(torch.bfloat16)
             for layer in model.moe_layers():
                 layer.experts.cpu_align = align
+                layer.experts.cpu_align_dtypes = (torch.float32, torch.bfloat16, torch.float16)  # every dtype
             contenders[name] = _Contender(model, False, mode, cfg.model.moe.aux_loss_coef, 1e-4)
         fns = {n: (lambda i, c=c: c.step(batches[i])) for n, c in contenders.items()}
         times = alternate_timed(fns, 1, 3, torch.device("cpu"))
