@@ -193,4 +193,5 @@ def stage_view(model: MoETransformer, plan: StagePlan) -> MoETransformer:
     view.layers = nn.ModuleDict({str(i): layers[str(i)] for i in range(plan.first_layer, plan.end_layer)})
     view.norm = model.norm if plan.is_last else None  # type: ignore[assignment]
     view.lm_head = model.lm_head if plan.is_last else None  # type: ignore[assignment]
+    view.positions_fn = model.positions_fn  # hooks other parallelize_* functions set on the whole model
     return view
