@@ -107,6 +107,8 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
 def _layout(v: dict[str, Any]) -> str:
     lay = v.get("layout", {})
     parts = [f"{v.get('world_size', '?')}x {lay.get('stack', '?')}", f"ep{lay.get('ep', '?')}"]
+    if lay.get("tp", 1) > 1:
+        parts.append(f"tp{lay['tp']}")
     parts.append(lay.get("dispatcher", "?"))
     if not lay.get("overlap_grad_reduce", True) and lay.get("stack") == "ddp":
         parts.append("no-overlap")

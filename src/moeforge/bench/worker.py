@@ -78,7 +78,7 @@ def hash_global_batch(hasher: Any, rows: Tensor) -> None:
 
 
 def take_batches(loader: ShardedLoader, dataset: TokenWindows, n: int, rank: int) -> tuple[list[list[Tensor]], str]:
-    """This rank's micro-batches for the next ``n`` steps and the sha256 of the ``n`` global batches."""
+    """Data-parallel rank ``rank``'s micro-batches for the next ``n`` steps, and the sha256 of the global batches."""
     hasher = hashlib.sha256()
     per_rank = loader.global_batch_size // loader.world_size
     steps = []
@@ -137,7 +137,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     device, mesh = trainer.device, trainer.mesh
     setup_s = time.perf_counter() - t_setup
     n_total = args.warmup + args.steps + (1 if args.profile else 0)
-    batches, input_hash = take_batches(trainer.loader, trainer.train_data, n_total, trainer.rank)
+    batches, input_hash = take_batches(trainer.loader, trainer.train_data, n_total, mesh.dp_rank)
     given = None
     if args.cpu_peak_fp32 is not None and args.cpu_peak_bf16 is not None:
         given = {"fp32": args.cpu_peak_fp32, "bf16": args.cpu_peak_bf16}
