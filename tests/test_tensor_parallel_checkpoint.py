@@ -10,12 +10,16 @@ ep=2 -> tp=2; every continuation reproduces the uninterrupted losses of steps
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from moeforge.cli import main
 from moeforge.config import ConfigError, validate_config, validate_layout
 from moeforge.testing import run_distributed_test
 from moeforge.train.metrics import read_metrics
@@ -107,7 +111,20 @@ def test_tp2_trains_like_one_process_and_checkpoints_reshard(tmp_path: Path) -> 
     ],
 )
 def test_bad_tp_layouts_name_the_field(tmp_path: Path, overrides: list[str], world: int, message: str) -> None:
-    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
         cfg = tiny_config(tmp_path, *overrides)
         validate_config(cfg)
         validate_layout(cfg, world)
+
+
+def test_bad_tp_on_the_command_line_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    demo = str(Path(__file__).resolve().parents[1] / "configs" / "shakespeare.yaml")
+    code = main(["train", demo, f"--train.run_dir={tmp_path / 'run'}", "--parallel.tp=3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["moeforge: error: parallel.tp: must divide model.n_heads (4), got 3"], err
+    cmd = [sys.executable, "-m", "moeforge", "train", demo, "--nproc-per-node", "3", "--parallel.tp=2"]
+    p = subprocess.run([*cmd, f"--train.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "moeforge: error: parallel.tp: pp (1) * tp (2) must divide the world size (3), got tp=2"
+    ], p.stderr
+    assert not (tmp_path / "run").exists()

@@ -65,7 +65,7 @@ def test_tp_plan_of_a_preset_and_bad_degrees() -> None:
     plan = make_plan(cfg, world=64, device="h200")
     assert [x["ep"] for x in plan["layouts"]] == [1, 2, 4, 8, 16, 32]
     assert all(x["dp"] == 32 and x["comm_bytes"]["tp"] > 0 for x in plan["layouts"])
-    with pytest.raises(ConfigError, match="parallel.tp: must divide --world"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp: must divide --world"):
         make_plan(load_config(PRESETS / "moe-47b.yaml", ["--parallel.tp=4"]), world=6, device="h200")
-    with pytest.raises(ConfigError, match="parallel.tp: must divide model.n_heads"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp: must divide model\.n_heads"):
         make_plan(load_config(None, [*TINY, "--parallel.tp=4"]), world=4, device="cpu", mem_gb=1.0)

@@ -115,6 +115,10 @@ def _layout(v: dict[str, Any]) -> str:
         virtual = lay.get("pp_stages_per_rank") or 1
         parts.append(f"pp{lay['pp']} {lay.get('pp_schedule')}" + (f" x{virtual}" if virtual > 1 else ""))
         parts.append(f"bubble {_fmt(v.get('bubble_frac'), '.0f', 100)}%")
+    if lay.get("tp", 1) > 1:
+        parts.append(f"tp{lay['tp']}")
+    if lay.get("cp", 1) > 1:
+        parts.append(f"cp{lay['cp']}")
     parts.append(lay.get("dispatcher", "?"))
     if not lay.get("overlap_grad_reduce", True) and lay.get("stack") == "ddp":
         parts.append("no-overlap")

@@ -85,7 +85,7 @@ def hash_global_batch(hasher: Any, rows: Tensor) -> None:
 
 
 def take_batches(loader: ShardedLoader, dataset: TokenWindows, n: int, rank: int) -> tuple[list[list[Tensor]], str]:
-    """This rank's micro-batches for the next ``n`` steps and the sha256 of the ``n`` global batches."""
+    """Data-parallel rank ``rank``'s micro-batches for the next ``n`` steps, and the sha256 of the global batches."""
     hasher = hashlib.sha256()
     per_rank = loader.global_batch_size // loader.world_size
     steps = []
