@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
+import torch.distributed as dist
+
 from moeforge.config import Config, load_config
+from moeforge.train.trainer import Trainer
 
 WORDS = "the king queen lord lady good night sweet love death crown sword fair speak thou art".split()
 
@@ -67,3 +71,14 @@ def run_dispatch(dispatcher, experts, x, indices, weights, g):
     out = dispatcher.combine(experts(rows, offsets), state)
     (out * g).sum().backward()
     return out.detach(), x.grad, weights.grad, state
+
+
+def continue_from(cfgs: dict, src_run: str, run: str) -> None:
+    """Copy ``src_run``'s step-2 checkpoint into a fresh run dir and train it to step 4 (``cfgs[run]``)."""
+    cfg = cfgs[run]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        src = Path(cfgs[src_run].train.run_dir) / "checkpoints" / "step_00000002"
+        shutil.copytree(src, Path(cfg.train.run_dir) / "checkpoints" / src.name)
+    if dist.is_initialized():
+        dist.barrier()
+    Trainer(cfg).fit()

@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moeforge.config import save_config
 from moeforge.model import build_model
@@ -38,7 +36,7 @@ from moeforge.train.data_setup import ensure_data
 from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer
 
-from .helpers import tiny_config
+from .helpers import continue_from, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [
@@ -65,17 +63,6 @@ def _losses(root: Path, run: str) -> list[float]:
     return [r["loss"] for r in read_metrics(root / run)]
 
 
-def _continue_from(cfgs: dict, src_run: str, run: str) -> None:
-    """Copy ``src_run``'s step-2 checkpoint into a fresh run dir and train it to step 4 (``cfgs[run]``)."""
-    cfg = cfgs[run]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        src = Path(cfgs[src_run].train.run_dir) / "checkpoints" / "step_00000002"
-        shutil.copytree(src, Path(cfg.train.run_dir) / "checkpoints" / src.name)
-    if dist.is_initialized():
-        dist.barrier()
-    Trainer(cfg).fit()
-
-
 def _close(got: list[float], ref: list[float], what: str) -> None:
     assert len(got) == len(ref), (what, got, ref)
     for a, b in zip(got, ref):
@@ -86,14 +73,14 @@ def _two_ranks(cfgs: dict) -> None:
     Trainer(cfgs["ddp2"]).fit()  # uninterrupted reference, checkpoints at 2 and 4
     Trainer(cfgs["ddp2_half"]).fit()  # stop at step 2 ...
     Trainer(cfgs["ddp2_resumed"]).fit()  # ... and resume in the same run dir
-    _continue_from(cfgs, "single", "single_to_ddp2")
-    _continue_from(cfgs, "ddp2", "ddp2_to_fsdp")
+    continue_from(cfgs, "single", "single_to_ddp2")
+    continue_from(cfgs, "ddp2", "ddp2_to_fsdp")
     Trainer(cfgs["fsdp"]).fit()
-    _continue_from(cfgs, "fsdp", "fsdp_to_ddp2")
+    continue_from(cfgs, "fsdp", "fsdp_to_ddp2")
 
 
 def _four_ranks(cfgs: dict) -> None:
-    _continue_from(cfgs, "ddp2", "ddp2_to_ddp4")
+    continue_from(cfgs, "ddp2", "ddp2_to_ddp4")
 
 
 def test_resharding_and_exact_resume(tmp_path: Path) -> None:
@@ -116,7 +103,7 @@ def test_resharding_and_exact_resume(tmp_path: Path) -> None:
     Trainer(cfgs["single"]).fit()  # also prepares the shared data dir
     run_distributed_test(_two_ranks, 2, args=(cfgs,))
     run_distributed_test(_four_ranks, 4, args=(cfgs,))
-    _continue_from(cfgs, "ddp2", "ddp2_to_single")
+    continue_from(cfgs, "ddp2", "ddp2_to_single")
 
     ref = _losses(tmp_path, "ddp2")
     assert len(ref) == 4

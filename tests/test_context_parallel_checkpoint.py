@@ -10,16 +10,13 @@ the uninterrupted run's losses within 1e-5 relative.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
-
-import torch.distributed as dist
 
 from moeforge.testing import run_distributed_test
 from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer
 
-from .helpers import tiny_config
+from .helpers import continue_from, tiny_config
 
 BASE = [
     "--train.max_steps=4",
@@ -38,23 +35,12 @@ LAYOUTS = {
 }
 
 
-def _continue_from(cfgs: dict, src_run: str, run: str) -> None:
-    """Copy ``src_run``'s step-2 checkpoint into a fresh run dir and train it to step 4 (``cfgs[run]``)."""
-    cfg = cfgs[run]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        src = Path(cfgs[src_run].train.run_dir) / "checkpoints" / "step_00000002"
-        shutil.copytree(src, Path(cfg.train.run_dir) / "checkpoints" / src.name)
-    if dist.is_initialized():
-        dist.barrier()
-    Trainer(cfg).fit()
-
-
 def _two_ranks(cfgs: dict) -> None:
     for run in ("cp2", "ep2"):
         Trainer(cfgs[run]).fit()
-    _continue_from(cfgs, "single", "single_to_cp2")
-    _continue_from(cfgs, "ep2", "ep2_to_cp2_ep2")
-    _continue_from(cfgs, "cp2", "cp2_to_ep2")
+    continue_from(cfgs, "single", "single_to_cp2")
+    continue_from(cfgs, "ep2", "ep2_to_cp2_ep2")
+    continue_from(cfgs, "cp2", "cp2_to_ep2")
 
 
 def _records(root: Path, run: str) -> list[dict]:
@@ -82,7 +68,7 @@ def test_cp_matches_one_process_and_checkpoints_reshard(tmp_path: Path) -> None:
     }
     Trainer(cfgs["single"]).fit()  # also prepares the shared data dir
     run_distributed_test(_two_ranks, 2, args=(cfgs,))
-    _continue_from(cfgs, "cp2", "cp2_to_single")
+    continue_from(cfgs, "cp2", "cp2_to_single")
 
     ref = _records(tmp_path, "single")
     assert len(ref) == 4

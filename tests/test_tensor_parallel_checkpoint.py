@@ -11,13 +11,11 @@ ep=2 -> tp=2; every continuation reproduces the uninterrupted losses of steps
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from moeforge.cli import main
 from moeforge.config import ConfigError, validate_config, validate_layout
@@ -25,7 +23,7 @@ from moeforge.testing import run_distributed_test
 from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer
 
-from .helpers import tiny_config
+from .helpers import continue_from, tiny_config
 
 BASE = [
     "--train.max_steps=4",
@@ -50,23 +48,12 @@ def _losses(root: Path, run: str) -> list[float]:
     return [r["loss"] for r in read_metrics(root / run) if "loss" in r]
 
 
-def _continue_from(cfgs: dict, src_run: str, run: str) -> None:
-    """Copy ``src_run``'s step-2 checkpoint into a fresh run dir and train it to step 4."""
-    cfg = cfgs[run]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        src = Path(cfgs[src_run].train.run_dir) / "checkpoints" / "step_00000002"
-        shutil.copytree(src, Path(cfg.train.run_dir) / "checkpoints" / src.name)
-    if dist.is_initialized():
-        dist.barrier()
-    Trainer(cfg).fit()
-
-
 def _two_ranks(cfgs: dict) -> None:
     Trainer(cfgs["tp2"]).fit()
     Trainer(cfgs["ep2"]).fit()
-    _continue_from(cfgs, "tp2", "tp2_to_ep2")
-    _continue_from(cfgs, "single", "single_to_tp2")
-    _continue_from(cfgs, "ep2", "ep2_to_tp2")
+    continue_from(cfgs, "tp2", "tp2_to_ep2")
+    continue_from(cfgs, "single", "single_to_tp2")
+    continue_from(cfgs, "ep2", "ep2_to_tp2")
 
 
 def test_tp2_trains_like_one_process_and_checkpoints_reshard(tmp_path: Path) -> None:
@@ -83,7 +70,7 @@ def test_tp2_trains_like_one_process_and_checkpoints_reshard(tmp_path: Path) -> 
     cfgs["ep2"] = _cfg(tmp_path, "ep2", "ep2", "--train.max_steps=2")
     Trainer(cfgs["single"]).fit()  # also prepares the shared data dir
     run_distributed_test(_two_ranks, 2, args=(cfgs,))
-    _continue_from(cfgs, "tp2", "tp2_to_single")
+    continue_from(cfgs, "tp2", "tp2_to_single")
 
     ref = _losses(tmp_path, "single")
     assert len(ref) == 4 and ref[-1] < ref[0]
