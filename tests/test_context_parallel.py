@@ -159,6 +159,7 @@ def test_load_balanced_chunks_cover_the_sequence_once() -> None:
         ({"cp": 2, "ep": 4}, 2, "parallel.ep: must divide the world size (2), got 4"),
         ({"cp": 2, "stack": "fsdp"}, 2, "parallel.stack: parallel.cp > 1 with the fsdp stack"),
         ({"cp": 2, "pp": 2}, 4, "parallel.pp: parallel.cp > 1 with pipeline parallelism"),
+        ({"cp": 2, "tp": 2}, 4, "parallel.cp: tp > 1 together with cp > 1 is not supported yet"),
     ],
 )
 def test_bad_cp_layouts_are_one_clear_error(overrides: dict, world: int, message: str) -> None:
