@@ -301,17 +301,20 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         p.pp >= 1 and world_size % p.pp == 0, "parallel.pp", f"must divide the world size ({world_size}), got {p.pp}"
     )
     other = p.pp * p.cp * p.tp
+    if p.cp > 1:
+        _check(
+            world_size % other == 0,
+            "parallel.cp",
+            f"pp ({p.pp}) * cp ({p.cp}) * tp ({p.tp}) = {other} must divide the world size ({world_size})",
+        )
     _check(
         world_size % other == 0,
-        "parallel.cp",
-        f"pp ({p.pp}) * cp ({p.cp}) * tp ({p.tp}) = {other} must divide the world size ({world_size})",
+        "parallel.tp",
+        f"pp ({p.pp}) * tp ({p.tp}) must divide the world size ({world_size}), got tp={p.tp}",
     )
     dp = p.dp or world_size // other
-    _check(
-        dp * other == world_size,
-        "parallel.dp",
-        f"pp ({p.pp}) * dp ({dp}) * cp ({p.cp}) * tp ({p.tp}) must equal the world size ({world_size})",
-    )
+    dims = f"pp ({p.pp}) * dp ({dp})" + (f" * cp ({p.cp})" if p.cp > 1 else "") + f" * tp ({p.tp})"
+    _check(dp * other == world_size, "parallel.dp", f"{dims} must equal the world size ({world_size})")
     check_ep(p.ep, world_size=world_size)
     _check(
         dp * p.cp % p.ep == 0,
