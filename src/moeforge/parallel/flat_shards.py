@@ -72,6 +72,36 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
     return out
 
 
+def _sharded_from_boxes(
+    flat: Tensor,
+    global_shape: Sequence[int],
+    owner_boxes: Sequence[tuple[int, list[Box]]],
+    local_boxes: list[Box],
+    start: int,
+) -> Tensor:
+    """A ``ShardedTensor``: every rank's boxes as metadata, this rank's boxes as views of ``flat`` (from ``start``)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    device = flat.device
+    rank = torch.distributed.get_rank()
+    metas = [
+        ShardMetadata(offsets, sizes, placement=f"rank:{owner}/{device}")
+        for owner, boxes in owner_boxes
+        for offsets, sizes, _ in boxes
+    ]
+    local = []
+    for offsets, sizes, first in local_boxes:
+        n = math.prod(sizes)
+        view = flat[first - start : first - start + n].view(sizes)
+        local.append(Shard(view, ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")))
+    props = TensorProperties(dtype=flat.dtype, requires_grad=False)
+    meta = ShardedTensorMetadata(metas, torch.Size(global_shape), props)
+    with quiet_sharded_tensor():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+
+
 def sharded_flat_tensor(
     flat: Tensor,
     global_shape: Sequence[int],
@@ -85,25 +115,9 @@ def sharded_flat_tensor(
     for every rank's range (this rank's included), which together must cover
     the tensor exactly once.
     """
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    device = flat.device
-    rank = torch.distributed.get_rank()
-    metas, local = [], []
-    for owner, a, z in owners:
-        for offsets, sizes, _ in flat_range_boxes(global_shape, a, z):
-            metas.append(ShardMetadata(offsets, sizes, placement=f"rank:{owner}/{device}"))
     start, end = local_range
-    for offsets, sizes, first in flat_range_boxes(global_shape, start, end):
-        n = math.prod(sizes)
-        view = flat[first - start : first - start + n].view(sizes)
-        local.append(Shard(view, ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")))
-    props = TensorProperties(dtype=flat.dtype, requires_grad=False)
-    meta = ShardedTensorMetadata(metas, torch.Size(global_shape), props)
-    with quiet_sharded_tensor():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+    owner_boxes = [(owner, flat_range_boxes(global_shape, a, z)) for owner, a, z in owners]
+    return _sharded_from_boxes(flat, global_shape, owner_boxes, flat_range_boxes(global_shape, start, end), start)
 
 
 def sharded_slab_tensor(
@@ -123,9 +137,6 @@ def sharded_slab_tensor(
     For ``dim > 0`` a slab's flat range is not a flat range of the global tensor,
     hence the separate function.
     """
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
     def boxes(slab: int, a: int, z: int) -> list[Box]:
         out = []
@@ -135,23 +146,9 @@ def sharded_slab_tensor(
             out.append((offsets, sizes, first))
         return out
 
-    device = flat.device
-    rank = torch.distributed.get_rank()
-    metas = [
-        ShardMetadata(offsets, sizes, placement=f"rank:{owner}/{device}")
-        for owner, slab, a, z in owners
-        for offsets, sizes, _ in boxes(slab, a, z)
-    ]
     slab, start, end = local_range
-    local = []
-    for offsets, sizes, first in boxes(slab, start, end):
-        n = math.prod(sizes)
-        view = flat[first - start : first - start + n].view(sizes)
-        local.append(Shard(view, ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{device}")))
-    props = TensorProperties(dtype=flat.dtype, requires_grad=False)
-    meta = ShardedTensorMetadata(metas, torch.Size(global_shape), props)
-    with quiet_sharded_tensor():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+    owner_boxes = [(owner, boxes(s, a, z)) for owner, s, a, z in owners]
+    return _sharded_from_boxes(flat, global_shape, owner_boxes, boxes(slab, start, end), start)
 
 
 def snapshot(t: Tensor) -> Tensor:
