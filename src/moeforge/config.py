@@ -41,6 +41,7 @@ class MoEConfig:
     dispatcher: Literal["local", "alltoall", "rowwise"] = "alltoall"  # how tokens reach experts on other ep ranks
     capacity_factor: float = 1.25  # rowwise: receive-buffer rows per rank as a multiple of the balanced load
     expert_impl: Literal["grouped", "loop"] = "grouped"  # grouped GEMM over all experts, or a loop per expert
+    cpu_group_align: int = 64  # CPU, bf16/fp16: pad each expert's rows to a multiple (oneDNN reuses kernels); 1: off
     random_routing: bool = False  # TEST/BENCH ONLY: route uniformly at random (perfect balance on average)
 
 

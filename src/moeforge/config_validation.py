@@ -126,6 +126,11 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
             "train.activation_checkpointing",
             "the recompute would draw new random routes (model.moe.random_routing); use none",
         )
+    _check(
+        moe.cpu_group_align >= 1,
+        "model.moe.cpu_group_align",
+        f"must be >= 1 (1: no padding), got {moe.cpu_group_align}",
+    )
     if moe.expert_impl == "grouped" and cfg.train.precision != "fp32":
         for name, value in (("model.d_model", m.d_model), ("model.moe.expert_hidden", moe.expert_hidden)):
             _check(

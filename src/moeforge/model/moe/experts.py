@@ -29,10 +29,12 @@ class GroupedExperts(nn.Module):
     GEMMs: ``gemm(x, w_t, offsets)`` with ``w_t`` the transposed ``(E, N, K)`` weight.
     """
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int, impl: str = "grouped") -> None:
+    def __init__(
+        self, num_experts: int, d_model: int, hidden: int, impl: str = "grouped", cpu_align: int = CPU_GROUP_ALIGN
+    ) -> None:
         super().__init__()
         self.num_experts, self.d_model, self.hidden, self.impl = num_experts, d_model, hidden, impl
-        self.cpu_align = CPU_GROUP_ALIGN  # rows each group is aligned to on the CPU (1: no padding)
+        self.cpu_align = cpu_align  # rows each group is aligned to on the CPU (1: no padding)
         # the dtypes that get it: measured to pay in bf16 (1.6x a step) but not in fp32 (0.9x), docs/benchmarks.md
         self.cpu_align_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
