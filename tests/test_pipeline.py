@@ -74,6 +74,30 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
+def assert_runs_match(
+    root: Path, ref: list[dict], ref_params: dict[str, torch.Tensor], names: list[str], steps: int
+) -> None:
+    """Each 2-rank run ``root/<name>`` logged the reference's metrics and ended with its parameters (within 1e-5).
+
+    The runs saved each rank's parameters as ``root/<name>.rank<r>.pt`` (:func:`_params`).
+    """
+    for name in names:
+        got = read_metrics(root / name)
+        assert len(got) == steps, name
+        for a, b in zip(ref, got):
+            for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "moe/expert_imbalance"):
+                assert _close(a[key], b[key]), (name, a["step"], key, a[key], b[key])
+        for key in ("val_loss", "val_bpb"):
+            assert _close(ref[-1][key], got[-1][key]), (name, key)
+        params: dict[str, torch.Tensor] = {}
+        for r in range(2):
+            params.update(torch.load(root / f"{name}.rank{r}.pt"))
+        assert set(params) == set(ref_params), name
+        for k, v in ref_params.items():
+            err = (params[k] - v).abs().max().item()
+            assert err <= 1e-5 * max(v.abs().max().item(), 1e-6), (name, k, err)
+
+
 def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:
     ref_cfg = tiny_config(tmp_path, f"--train.run_dir={tmp_path / 'ref'}", *COMMON)
     ref_trainer = Trainer(ref_cfg)
@@ -81,22 +105,7 @@ def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:
     ref_params = _params(ref_trainer)
     ref = read_metrics(ref_cfg.train.run_dir)
     run_distributed_test(_train_all, 2, args=(str(tmp_path),))
-    for name in LAYOUTS:
-        got = read_metrics(tmp_path / name)
-        assert len(got) == STEPS, name
-        for a, b in zip(ref, got):
-            for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
-                assert _close(a[key], b[key]), (name, key, a[key], b[key])
-            assert _close(a["moe/expert_imbalance"], b["moe/expert_imbalance"]), name
-        for key in ("val_loss", "val_bpb"):
-            assert _close(ref[-1][key], got[-1][key]), (name, key)
-        params: dict[str, torch.Tensor] = {}
-        for r in range(2):
-            params.update(torch.load(tmp_path / f"{name}.rank{r}.pt"))
-        assert set(params) == set(ref_params), name
-        for k, v in ref_params.items():
-            err = (params[k] - v).abs().max().item()
-            assert err <= 1e-5 * max(v.abs().max().item(), 1e-6), (name, k, err)
+    assert_runs_match(tmp_path, ref, ref_params, list(LAYOUTS), STEPS)
     sample = ref_trainer.sample("the king", 4)
     for name in LAYOUTS:
         assert (tmp_path / f"{name}.sample.txt").read_text() == sample, name

@@ -17,6 +17,7 @@ from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer
 
 from .helpers import tiny_config
+from .test_pipeline import _params, assert_runs_match
 
 STEPS = 5
 COMMON = [
@@ -35,10 +36,6 @@ LAYOUTS = {
 }
 
 
-def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-
-
 def _train_all(root: str) -> None:
     for name, extra in LAYOUTS.items():
         cfg = tiny_config(Path(root), f"--train.run_dir={Path(root) / name}", *COMMON, *extra)
@@ -47,10 +44,6 @@ def _train_all(root: str) -> None:
         torch.save(_params(trainer), Path(root) / f"{name}.rank{dist.get_rank()}.pt")
         if dist.get_rank() == 0:
             (Path(root) / f"{name}.json").write_text(json.dumps(last))
-
-
-def _close(a: float, b: float, rel: float = 1e-5) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
 def test_stage_placement_loops_for_interleaved_and_is_a_v_for_zbv() -> None:
@@ -66,21 +59,7 @@ def test_virtual_stage_schedules_match_single_process(tmp_path: Path) -> None:
     ref_params = _params(ref_trainer)
     ref = read_metrics(ref_cfg.train.run_dir)
     run_distributed_test(_train_all, 2, args=(str(tmp_path),))
-    for name in LAYOUTS:
-        got = read_metrics(tmp_path / name)
-        assert len(got) == STEPS, name
-        for a, b in zip(ref, got):
-            for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "moe/expert_imbalance"):
-                assert _close(a[key], b[key]), (name, a["step"], key, a[key], b[key])
-        for key in ("val_loss", "val_bpb"):
-            assert _close(ref[-1][key], got[-1][key]), (name, key)
-        params: dict[str, torch.Tensor] = {}
-        for r in range(2):
-            params.update(torch.load(tmp_path / f"{name}.rank{r}.pt"))
-        assert set(params) == set(ref_params), name
-        for k, v in ref_params.items():
-            err = (params[k] - v).abs().max().item()
-            assert err <= 1e-5 * max(v.abs().max().item(), 1e-6), (name, k, err)
+    assert_runs_match(tmp_path, ref, ref_params, list(LAYOUTS), STEPS)
     # moeforge plan's per-stage parameters are what each rank of the zbv run measured (RUN/memory.json)
     measured = json.loads((tmp_path / "zbv" / "memory.json").read_text())["ranks"]
     planned = pipeline_plan(load_config(tmp_path / "zbv" / "config.yaml"), 2)
