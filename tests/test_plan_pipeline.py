@@ -12,7 +12,7 @@ from moeforge.bench.plan_pipeline import in_flight
 from moeforge.config import load_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare.yaml"
-BASE = ["--model.vocab_size=4096", "--parallel.pp=2"]
+BASE = ["--model.vocab_size=4096", "--parallel.pp=2", "--train.global_batch_size=32", "--train.micro_batch_size=16"]
 
 
 def test_1f1b_holds_up_to_pp_micro_batches_on_the_first_stage_gpipe_all() -> None:
