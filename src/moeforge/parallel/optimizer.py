@@ -29,6 +29,7 @@ shard exposed as DCP-shardable pieces (:mod:`moeforge.parallel.flat_shards`).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -301,15 +302,19 @@ def _global_owners(b: GradBucket, e: BucketEntry, me: int) -> tuple[list[int], l
         ep_ranks = [me]
     mine = ep_ranks.index(me)
     owners = []
-    for j in range(b.group_size):
-        a, z = max(j * b.shard_size, e.offset), min((j + 1) * b.shard_size, e.offset + e.numel)
-        if a >= z:
-            continue
-        peer = dist.get_global_rank(b.group, j) if b.group is not None else me
+    for peer, a, z in _shard_spans(b, e, me):
         for i, r in enumerate(ep_ranks):
             shift = i * local_numel - e.offset
             owners.append((peer + r - ep_ranks[mine], shift + a, shift + z))
     return list(p.shape), owners, mine * local_numel
+
+
+def _shard_spans(b: GradBucket, e: BucketEntry, me: int) -> Iterator[tuple[int, int, int]]:
+    """``(global rank, start, end)`` of each optimizer shard of ``b`` that holds part of ``e`` (bucket offsets)."""
+    for j in range(b.group_size):
+        a, z = max(j * b.shard_size, e.offset), min((j + 1) * b.shard_size, e.offset + e.numel)
+        if a < z:
+            yield (dist.get_global_rank(b.group, j) if b.group is not None else me), a, z
 
 
 def _shard_dim(p: torch.nn.Parameter) -> int:
@@ -326,11 +331,7 @@ def _slab_owners(b: GradBucket, e: BucketEntry, me: int) -> tuple[list[tuple[int
     mesh_ranks = [int(r) for r in e.param.device_mesh.mesh.flatten().tolist()]  # type: ignore[attr-defined]
     mine = mesh_ranks.index(me)
     owners = []
-    for j in range(b.group_size):
-        a, z = max(j * b.shard_size, e.offset), min((j + 1) * b.shard_size, e.offset + e.numel)
-        if a >= z:
-            continue
-        peer = dist.get_global_rank(b.group, j) if b.group is not None else me
+    for peer, a, z in _shard_spans(b, e, me):
         for i, r in enumerate(mesh_ranks):
             owners.append((peer + r - me, i, a - e.offset, z - e.offset))
     return owners, mine
