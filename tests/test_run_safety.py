@@ -54,7 +54,7 @@ def _dead_pid() -> int:
 
 
 def test_a_second_job_on_a_run_dir_is_refused_and_the_first_finishes(tmp_path: Path) -> None:
-    cfg = _yaml(tmp_path, "job", "--train.max_steps=40", "--train.save_every=5", "--logging.level=WARNING")
+    cfg = _yaml(tmp_path, "job", "--train.max_steps=200", "--train.save_every=50", "--logging.level=WARNING")
     cmd = [sys.executable, "-m", "moeforge", "train", str(cfg)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -71,7 +71,7 @@ def test_a_second_job_on_a_run_dir_is_refused_and_the_first_finishes(tmp_path: P
     assert len(lines) == 1, second.stderr
     assert f"pid {first.pid}" in lines[0] and socket.gethostname() in lines[0] and "started" in lines[0]
     steps = [r["step"] for r in read_metrics(tmp_path / "run")]
-    assert steps == list(range(1, 41))  # no interleaving, nothing from the refused job
+    assert steps == list(range(1, 201))  # no interleaving, nothing from the refused job
     assert not (tmp_path / "run" / ".lock").exists()  # released at the end
     for ckpt in complete_checkpoints(tmp_path / "run"):
         verify_checkpoint(ckpt)
