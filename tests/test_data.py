@@ -20,6 +20,7 @@ from moeforge.data import (
     TokenWindows,
     bits_per_byte,
     embedded_corpus_files,
+    epoch_offset,
     eval_batches,
     load_meta,
     prepare_data,
@@ -391,6 +392,44 @@ def test_loader_resumes_exactly_mid_epoch_and_across_epochs(tmp_path):
     assert straight.state_dict() == {"epoch": 2, "position": 6}
     with pytest.raises(ValueError, match=r"position 9 is past the 7 steps"):
         resumed.load_state_dict({"epoch": 0, "position": 9})
+
+
+def first_tokens(loader: ShardedLoader, steps: int) -> list[list[int]]:
+    """The first token of every row of each step (the arange corpus: a row's position in the token file)."""
+    return [[int(m[j, 0]) for m in loader.next_step() for j in range(m.shape[0])] for _ in range(steps)]
+
+
+def test_shift_windows_tiles_later_epochs_from_a_seeded_offset(tmp_path):
+    ds = arange_windows(tmp_path, 8 * 20 + 1, seq_len=8)  # 20 windows of 8; G=4: 5 steps in epoch 0
+    plain = first_tokens(ShardedLoader(ds, 4, 2, seed=7), 30)
+    shifted_loader = ShardedLoader(ds, 4, 2, seed=7, shift_windows=True)
+    shifted = first_tokens(shifted_loader, 30)
+    assert shifted[:5] == plain[:5]  # epoch 0 is the unshifted tiling
+    offsets = [epoch_offset(8, 7, e) for e in range(1, 7)]
+    assert len(set(offsets)) > 1 and all(0 <= o < 8 for o in offsets)
+    assert offsets == [epoch_offset(8, 7, e) for e in range(1, 7)] != [epoch_offset(8, 8, e) for e in range(1, 7)]
+    assert epoch_offset(8, 7, 3, shift=False) == 0
+    starts = [t for step in shifted[5:] for t in step]
+    assert {t % 8 for t in starts} >= {o for o in offsets if o} and all(t % 8 in offsets for t in starts)
+    for row in ShardedLoader(ds, 4, 2, seed=7, shift_windows=True).next_step():  # rows are contiguous tokens
+        assert all(r.tolist() == list(range(int(r[0]), int(r[0]) + 9)) for r in row)
+    # an epoch with an offset > 0 has one window fewer (19): 4 steps, its windows all distinct
+    e1 = next(e for e in range(1, 7) if epoch_offset(8, 7, e))
+    loader = ShardedLoader(ds, 4, 2, seed=7, shift_windows=True)
+    loader.load_state_dict({"epoch": e1, "position": 0})
+    assert loader.steps_per_epoch == 4
+    epoch_rows = [t for step in first_tokens(loader, 4) for t in step]
+    assert len(set(epoch_rows)) == 16 and all(t % 8 == epoch_offset(8, 7, e1) for t in epoch_rows)
+    # resumable across the shifted epochs, and the same rows on 2 ranks as on one
+    first = ShardedLoader(ds, 4, 2, seed=7, shift_windows=True)
+    got = first_tokens(first, 12)
+    resumed = ShardedLoader(ds, 4, 2, seed=7, shift_windows=True)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert got + first_tokens(resumed, 18) == shifted
+    ranks = [first_tokens(ShardedLoader(ds, 4, 2, r, 2, seed=7, shift_windows=True), 30) for r in range(2)]
+    assert [a + b for a, b in zip(*ranks)] == shifted
+    with pytest.raises(ValueError, match=rf"position 5 is past the 4 steps of epoch {e1}"):
+        resumed.load_state_dict({"epoch": e1, "position": 5})
 
 
 def test_loader_validates_batch_layout(tmp_path):

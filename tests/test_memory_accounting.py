@@ -20,6 +20,7 @@ NO_PAD = ["--model.moe.cpu_group_align=1"]
 LAYOUTS = {
     "ddp_ep2": ["--parallel.ep=2", "--parallel.bucket_size_mb=0.02"],
     "ddp_ep2_bf16": ["--parallel.ep=2", "--parallel.bucket_size_mb=0.02", *BF16],
+    "ddp_ep2_per_block": ["--parallel.ep=2", "--parallel.bucket_size_mb=0"],
     "ddp_ep1_bf16_reduce": ["--parallel.ep=1", *BF16, "--parallel.grad_reduce_dtype=bf16"],
     "fsdp": ["--parallel.stack=fsdp"],
     "fsdp_bf16": ["--parallel.stack=fsdp", *BF16],

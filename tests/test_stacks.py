@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config, ModelConfig, MoEConfig
 from moeforge.model.transformer import MoETransformer, build_model
+from moeforge.parallel.grad_buckets import param_segment
 from moeforge.parallel.mesh import MoEMesh, build_mesh
 from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.stack import LocalStack, TrainingStack
@@ -148,8 +149,13 @@ def check_case(cfg: Config, dead_experts: bool = False) -> None:
     what = f"{cfg.parallel.stack} ep={cfg.parallel.ep} world={world} overlap={cfg.parallel.overlap_grad_reduce}"
     if early is not None:
         n_buckets = len(stack.reducer.buckets)  # type: ignore[attr-defined]
+        assert stack.reducer.launched_in_backward == early[-1], what  # type: ignore[attr-defined]
+        if cfg.parallel.bucket_size_mb == 0:  # one bucket per block (and embedding, head): never two blocks in one
+            buckets = stack.reducer.buckets  # type: ignore[attr-defined]
+            assert all(len({param_segment(e.name) for e in b.entries}) == 1 for b in buckets), what
+            assert n_buckets >= cfg.model.n_layers + 2, what
         if cfg.parallel.overlap_grad_reduce:  # overlapped: buckets left backward already in flight
-            assert cfg.parallel.bucket_size_mb > 1 or n_buckets > 8, what
+            assert cfg.parallel.bucket_size_mb > 1 or n_buckets > 8 or cfg.parallel.bucket_size_mb == 0, what
             assert 0 < max(early), (what, early)
         else:
             assert max(early) == 0, (what, early)
@@ -200,6 +206,7 @@ def _two_ranks() -> None:
     check_case(tiny_config("ddp", ep=1, overlap=False))
     check_case(tiny_config("ddp", ep=2, overlap=True, bucket_mb=tiny, dead_experts=True), dead_experts=True)
     check_case(tiny_config("ddp", ep=2, overlap=False))
+    check_case(tiny_config("ddp", ep=2, overlap=True, bucket_mb=0))  # one bucket per block
     check_case(tiny_config("fsdp"))
     check_fsdp_bf16()
 

@@ -87,6 +87,7 @@ class DataConfig:
     bpe_vocab_size: int = 4096  # vocabulary of the trained byte-level BPE
     seq_len: int = 256  # tokens per training sequence
     val_fraction: float = 0.05  # fraction of documents held out for validation
+    shift_windows: bool = False  # epochs after the first tile the tokens from a seeded offset in [0, seq_len)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class TrainConfig:
     lowp_head: bool = False  # mxfp8/fp8_rowwise: also quantize lm_head (the router and embeddings never are)
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights, fp32 masters sharded in the optimizer
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute blocks (docs/memory.md)
+    compile: bool = False  # torch.compile each block's training forward (needs a C++ compiler on CPU)
     run_dir: str = "runs/default"  # config.yaml, metrics.jsonl, checkpoints and trackers go here
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
@@ -150,7 +152,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True  # ddp: reduce gradient buckets during the backward pass
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient buffers and their reduction (both stacks)
     fsdp_reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (last block keeps them)
-    bucket_size_mb: float = 25.0  # ddp: gradient bucket size
+    bucket_size_mb: float = 25.0  # ddp: gradient bucket size; 0: one bucket per transformer block
     timeout_s: float = 600.0  # collective timeout of the process groups
 
 

@@ -179,7 +179,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     check_ep(p.ep, moe.num_experts)
     _check(p.dp >= 0, "parallel.dp", "must be >= 0 (0: inferred from the world size)")
     _check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
-    _check(p.bucket_size_mb > 0, "parallel.bucket_size_mb", "must be > 0")
+    _check(p.bucket_size_mb >= 0, "parallel.bucket_size_mb", "must be >= 0 (0: one bucket per transformer block)")
     if p.stack == "fsdp":
         _check(p.ep == 1, "parallel.ep", "the fsdp stack shards every expert instead; set parallel.ep=1")
     if world_size is not None:

@@ -269,7 +269,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         choices=COMPARISONS,
         default=None,
         help="stacks: fsdp vs ddp+ep; dispatchers: alltoall vs rowwise; overlap: gradient "
-        "reduction overlap off vs on; precision: bf16 vs fp32 vs mxfp8 (vs fp8_rowwise); routing: learned vs random; "
+        "reduction overlap off vs on vs on with one bucket per block; "
+        "precision: bf16 vs fp32 vs mxfp8 (vs fp8_rowwise); routing: learned vs random; "
         "pipeline: pp=1 vs pp=2 with each schedule; "
         "hf: a training step against transformers' Qwen3-MoE (fp32, bf16 autocast, bf16 params); "
         "hf_layer: the MoE layer alone against Qwen3MoeSparseMoeBlock (both in one process)",

@@ -75,6 +75,11 @@ def comparison_variants(kind: str, nproc: int, ep: int, fp8: bool = False) -> li
         return [
             Variant(f"{base}+overlap_off", nproc, [*ddp, "--parallel.overlap_grad_reduce=false"]),
             Variant(base, nproc, [*ddp, "--parallel.overlap_grad_reduce=true"]),
+            # one bucket per block: a small model's gradients otherwise fill one 25 MB bucket that
+            # completes only at the end of backward, so "overlap" would have nothing to overlap
+            Variant(
+                f"{base}+per_block", nproc, [*ddp, "--parallel.overlap_grad_reduce=true", "--parallel.bucket_size_mb=0"]
+            ),
         ]
     if kind == "precision":  # bf16 is the reference, mxfp8 last (the headline: mxfp8 / bf16)
         names = ["bf16", "fp32", *(["fp8_rowwise"] if fp8 else []), "mxfp8"]

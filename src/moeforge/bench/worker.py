@@ -229,6 +229,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         ckpt_bytes = int(ckpt["bytes"]) if trainer.is_main else None
         ckpt_disk = {k: ckpt[k] for k in ("raw_write_s", "save_fraction_of_raw", "blocking_fraction_of_save")}
 
+    reducer = getattr(trainer.stack, "reducer", None)
     bubble_local = waited.seconds / elapsed_local  # time this rank idled waiting for its pipeline peers
     ranks = per_rank([mem, comm_local, profiled_local, bubble_local, joules_local], trainer)
     energy = rank_energy(
@@ -308,6 +309,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "comm_s_per_rank": comm if args.profile else None,
         "profiled_step_s": max(profiled) if args.profile else None,
         "comm_frac": (sum(comm) / len(comm)) / max(profiled) if args.profile else None,
+        # ddp: gradient buckets, and how many of them the last step's backward launched (the rest wait for its end)
+        "grad_buckets": len(reducer.buckets) if reducer is not None else None,
+        "grad_buckets_launched_in_backward": reducer.launched_in_backward if reducer is not None else None,
         # pipeline: seconds a rank blocked on P2P waits / the timed steps' time (0 without pp)
         "bubble_frac": sum(r[3] for r in ranks) / len(ranks),
         "bubble_frac_per_rank": [r[3] for r in ranks],

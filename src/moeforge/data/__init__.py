@@ -16,7 +16,7 @@ from moeforge.data.corpus import (
     sources_fingerprint,
 )
 from moeforge.data.dataset import TokenWindows
-from moeforge.data.loader import ShardedLoader, epoch_permutation, eval_batches
+from moeforge.data.loader import ShardedLoader, epoch_offset, epoch_permutation, eval_batches
 from moeforge.data.meta import DataMeta, SplitStats, bits_per_byte, load_meta
 from moeforge.data.prepare import prepare_data, split_documents, token_dtype
 from moeforge.data.tokenizer import EOS_TOKEN, Tokenizer, train_bpe
@@ -32,6 +32,7 @@ __all__ = [
     "Tokenizer",
     "bits_per_byte",
     "embedded_corpus_files",
+    "epoch_offset",
     "epoch_permutation",
     "eval_batches",
     "load_meta",

@@ -57,22 +57,30 @@ class TokenWindows:
         return self._tokens
 
     def __len__(self) -> int:
-        return (self.num_tokens - 1) // self.seq_len
+        return self.num_windows()
+
+    def num_windows(self, offset: int = 0) -> int:
+        """Complete windows when the first one starts at token ``offset`` (``0 <= offset < seq_len``)."""
+        return (self.num_tokens - 1 - offset) // self.seq_len
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        n = len(self)
+        return self.window(index)
+
+    def window(self, index: int, offset: int = 0) -> torch.Tensor:
+        """Window ``index`` of the tiling that starts at token ``offset``: ``tokens[offset + i*L : ... + L + 1]``."""
+        n = self.num_windows(offset)
         if not -n <= index < n:
             raise IndexError(f"window {index} out of range for {n} windows")
-        start = (index % n) * self.seq_len
+        start = offset + (index % n) * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1].astype(np.int64)
         return torch.from_numpy(window)
 
-    def rows(self, indices: Any) -> torch.Tensor:
-        """Stack the windows ``indices`` into a ``(len(indices), seq_len + 1)`` LongTensor."""
+    def rows(self, indices: Any, offset: int = 0) -> torch.Tensor:
+        """Stack windows ``indices`` (of the tiling at ``offset``) into a ``(len(indices), seq_len + 1)`` LongTensor."""
         idx = [int(i) for i in indices]
         if not idx:
             return torch.empty(0, self.seq_len + 1, dtype=torch.long)
-        return torch.stack([self[i] for i in idx])
+        return torch.stack([self.window(i, offset) for i in idx])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

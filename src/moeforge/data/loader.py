@@ -5,7 +5,10 @@ permutation of all window indices drawn from ``(seed, e)``; optimizer step
 ``s`` of the epoch consumes the global batch ``perm[s*G:(s+1)*G]`` (the
 incomplete tail of an epoch is dropped); data-parallel rank ``r`` of ``W``
 takes the contiguous slice ``[r*G/W, (r+1)*G/W)`` of it, cut into
-micro-batches. Hence every layout sees the same tokens in each step: one
+micro-batches. With ``shift_windows``, epoch ``e >= 1`` tiles the tokens from
+an offset in ``[0, seq_len)`` drawn from ``(seed, e)`` (:func:`epoch_offset`), so
+a second pass over a small corpus reads new windows rather than the same ones
+again; epoch 0 always starts at token 0. Hence every layout sees the same tokens in each step: one
 process with micro-batch ``G/2`` gets exactly the rows that 2 ranks with
 micro-batch ``G/2`` get, concatenated in rank order, and a resumed run
 continues with the very rows an uninterrupted one would have read.
@@ -30,6 +33,14 @@ def epoch_permutation(num_windows: int, seed: int, epoch: int, shuffle: bool = T
     return rng.permutation(num_windows).astype(np.int64)
 
 
+def epoch_offset(seq_len: int, seed: int, epoch: int, shift: bool = True) -> int:
+    """First token of epoch ``epoch``'s windows: 0 in epoch 0 or without ``shift``, else drawn from (seed, epoch)."""
+    if not shift or epoch == 0:
+        return 0
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed) & (2**64 - 1), int(epoch), 1]))
+    return int(rng.integers(0, seq_len))
+
+
 class ShardedLoader:
     """Deterministic, resumable batches of one data-parallel rank.
 
@@ -41,6 +52,7 @@ class ShardedLoader:
         world_size: size of the data-parallel group (``W``).
         seed: seeds the per-epoch permutations.
         shuffle: if False, every epoch reads the windows in order.
+        shift_windows: start each epoch after the first at a seeded random offset (:func:`epoch_offset`).
     """
 
     def __init__(
@@ -52,6 +64,7 @@ class ShardedLoader:
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        shift_windows: bool = False,
     ) -> None:
         if global_batch_size < 1 or micro_batch_size < 1:
             raise ValueError(
@@ -79,15 +92,25 @@ class ShardedLoader:
         self.world_size = world_size
         self.seed = seed
         self.shuffle = shuffle
+        self.shift_windows = shift_windows
         self.epoch = 0
         self.position = 0  # global batches already consumed in this epoch
         self._perm: np.ndarray | None = None
         self._perm_epoch = -1
 
     @property
+    def offset(self) -> int:
+        """First token of the current epoch's windows."""
+        return epoch_offset(self.dataset.seq_len, self.seed, self.epoch, self.shift_windows)
+
+    @property
     def steps_per_epoch(self) -> int:
-        """Complete global batches in one epoch."""
-        return len(self.dataset) // self.global_batch_size
+        """Complete global batches in the current epoch."""
+        return self._steps_in(self.epoch)
+
+    def _steps_in(self, epoch: int) -> int:
+        offset = epoch_offset(self.dataset.seq_len, self.seed, epoch, self.shift_windows)
+        return self.dataset.num_windows(offset) // self.global_batch_size
 
     @property
     def grad_accum_steps(self) -> int:
@@ -101,7 +124,8 @@ class ShardedLoader:
 
     def _permutation(self) -> np.ndarray:
         if self._perm is None or self._perm_epoch != self.epoch:
-            self._perm = epoch_permutation(len(self.dataset), self.seed, self.epoch, self.shuffle)
+            n = self.dataset.num_windows(self.offset)
+            self._perm = epoch_permutation(n, self.seed, self.epoch, self.shuffle)
             self._perm_epoch = self.epoch
         return self._perm
 
@@ -119,7 +143,8 @@ class ShardedLoader:
         mine = indices[self.rank * per_rank : (self.rank + 1) * per_rank]
         self.position += 1
         m = self.micro_batch_size
-        return [self.dataset.rows(mine[i : i + m]) for i in range(0, per_rank, m)]
+        offset = self.offset
+        return [self.dataset.rows(mine[i : i + m], offset) for i in range(0, per_rank, m)]
 
     def __iter__(self) -> ShardedLoader:
         return self
@@ -139,10 +164,10 @@ class ShardedLoader:
             raise ValueError(f"loader state must be a dict with 'epoch' and 'position', got {state!r}") from None
         if not (isinstance(epoch, int) and isinstance(position, int) and epoch >= 0 and position >= 0):
             raise ValueError(f"loader state: epoch and position must be integers >= 0, got {state!r}")
-        if position > self.steps_per_epoch:
+        if position > self._steps_in(epoch):
             raise ValueError(
-                f"loader state: position {position} is past the {self.steps_per_epoch} steps of an epoch; "
-                "the data or train.global_batch_size changed since the checkpoint was written"
+                f"loader state: position {position} is past the {self._steps_in(epoch)} steps of epoch {epoch}; "
+                "the data, train.global_batch_size or data.shift_windows changed since the checkpoint was written"
             )
         self.epoch, self.position = epoch, position
 

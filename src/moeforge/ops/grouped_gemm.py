@@ -45,10 +45,20 @@ class _GroupedMM(torch.autograd.Function):
         return dx, dw, None
 
 
+@torch.compiler.disable
+def _grouped_mm_eager(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    return _GroupedMM.apply(x, w, offsets)
+
+
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """``out[rows of g] = x[rows of g] @ w[g]`` with ``x: (R, K)``, ``w: (G, K, N)``, int32 ``offsets: (G,)``."""
     if x.dtype != w.dtype:
         raise TypeError(f"grouped_mm: x is {x.dtype} but w is {w.dtype}; cast one of them")
+    if torch.compiler.is_compiling():
+        # torch's fake-tensor rule for _grouped_mm is the CUDA kernel's (bf16 only, 16-byte strides, which
+        # symbolic row counts cannot prove), though the CPU runs fp32 too, and inductor has no fused kernel
+        # for it: under torch.compile the GEMM runs eagerly (a graph break)
+        return _grouped_mm_eager(x, w, offsets)
     return _GroupedMM.apply(x, w, offsets)
 
 

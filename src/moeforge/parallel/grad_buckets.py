@@ -9,9 +9,11 @@ parameters stay on ``mesh.dp_cp_group``, while replicated dense parameters,
 which see a different slice of the sequence on each tp rank, are reduced over
 ``mesh.stage_group`` (dp x tp), and experts over ``mesh.edp_group`` (edp x tp).
 Parameters are packed, in reverse registration order (roughly the order
-backward produces them), into flat buckets of at most ``bucket_size_mb``;
-a bucket holds one group and one dtype only, and is padded so that it splits
-into ``group_size`` equal shards.
+backward produces them), into flat buckets of at most ``bucket_size_mb``
+(``0``: one bucket per transformer block, plus one for the embedding and one
+for the final norm and head, so each block's reduction can start as soon as
+backward has left it); a bucket holds one group and one dtype only, and is
+padded so that it splits into ``group_size`` equal shards.
 
 Each parameter's ``.grad`` is a view into its bucket (a ``Shard(0)`` DTensor
 view for DTensor parameters), so micro-batch accumulation writes straight
@@ -40,6 +42,7 @@ is needed on CPU.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -203,29 +206,49 @@ def padded_numel(numel: int, group_size: int) -> int:
     return max(align, math.ceil(numel / align) * align)
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+HEAD_SEGMENT = 1 << 30  # the final norm and the head come after every block
+
+
+def param_segment(name: str) -> int:
+    """The model part a parameter belongs to: -1 for the embedding, ``i`` for block ``i``, else the head's part."""
+    m = _LAYER.search(name)
+    if m:
+        return int(m.group(1))
+    return -1 if "embed_tokens" in name else HEAD_SEGMENT
+
+
 def plan_buckets(
-    entries: list[tuple[int, int, torch.dtype, str | None]], bucket_size_mb: float
+    entries: list[tuple[int, int, torch.dtype, str | None]],
+    bucket_size_mb: float,
+    segments: list[int] | None = None,
 ) -> list[tuple[list[int], str | None, torch.dtype]]:
     """Pure bucket layout: ``entries`` are ``(numel, element size, dtype, group kind)`` in registration order;
     returns ``(entry indices, group kind, dtype)`` per bucket, in launch order.
 
     Entries are packed in reverse order (roughly the order backward produces them),
-    one group and dtype per bucket, at most ``bucket_size_mb`` each. Both the
+    one group and dtype per bucket, at most ``bucket_size_mb`` each; with
+    ``bucket_size_mb <= 0`` a bucket instead closes where ``segments`` (one per
+    entry, :func:`param_segment`) changes: one bucket per block. Both the
     reducer and the memory planner use it, so the planned layout is the real one.
     """
-    cap = max(1, int(bucket_size_mb * 2**20))
-    open_: dict[tuple[str | None, torch.dtype], tuple[list[int], int]] = {}
+    per_segment = bucket_size_mb <= 0
+    if per_segment and (segments is None or len(segments) != len(entries)):
+        raise ValueError("plan_buckets: bucket_size_mb <= 0 (one bucket per block) needs one segment per entry")
+    cap = max(1, int(bucket_size_mb * 2**20)) if not per_segment else 0
+    open_: dict[tuple[str | None, torch.dtype], tuple[list[int], int, int]] = {}
     closed: list[tuple[list[int], str | None, torch.dtype]] = []
     for idx in reversed(range(len(entries))):
         numel, elt, dtype, kind = entries[idx]
-        members, nbytes = open_.get((kind, dtype), ([], 0))
+        seg = segments[idx] if segments is not None else 0
+        members, nbytes, open_seg = open_.get((kind, dtype), ([], 0, seg))
         size = numel * elt
-        if members and nbytes + size > cap:
+        if members and (seg != open_seg if per_segment else nbytes + size > cap):
             closed.append((members, kind, dtype))
             members, nbytes = [], 0
         members.append(idx)
-        open_[kind, dtype] = (members, nbytes + size)
-    for (kind, dtype), (members, _) in open_.items():
+        open_[kind, dtype] = (members, nbytes + size, seg)
+    for (kind, dtype), (members, _, _) in open_.items():
         closed.append((members, kind, dtype))
     # A bucket completes when its earliest-registered parameter gets its gradient: sort by that position.
     closed.sort(key=lambda c: -min(c[0]))
@@ -256,9 +279,10 @@ def build_buckets(
         )
     groups = {"dp": mesh.dp_cp_group, "edp": mesh.edp_group, "stage": mesh.stage_group, None: None}
     device = local_tensor(named[0][1]).device if named else torch.device("cpu")
+    segments = [param_segment(name) for name, _, _ in named]
     return [
         GradBucket(i, [named[k][:2] for k in members], groups[kind], dtype, device, grad_dtype)
-        for i, (members, kind, dtype) in enumerate(plan_buckets(entries, bucket_size_mb))
+        for i, (members, kind, dtype) in enumerate(plan_buckets(entries, bucket_size_mb, segments))
     ]
 
 
@@ -280,6 +304,7 @@ class GradReducer:
         self._sync = True
         self._next = 0
         self._finished = False
+        self.launched_in_backward = 0  # buckets the last step's backward hooks launched before finish()
         self._handles = []
         for b in self.buckets:
             for i, e in enumerate(b.entries):
@@ -314,6 +339,7 @@ class GradReducer:
         """Launch every bucket not launched yet (missing grads count as zeros) and wait; idempotent."""
         if self._finished:
             return
+        self.launched_in_backward = self._next
         self._launch_in_order(force=True)
         for b in self.buckets:
             b.wait()

@@ -32,7 +32,7 @@ from moeforge.model.moe.experts import local_tensor
 from moeforge.model.params import EXPERT, named_parameter_roles
 from moeforge.model.transformer import MoETransformer
 from moeforge.parallel.ddp import DDPStack
-from moeforge.parallel.grad_buckets import bucket_group_kind, padded_numel, plan_buckets
+from moeforge.parallel.grad_buckets import bucket_group_kind, padded_numel, param_segment, plan_buckets
 from moeforge.parallel.stack import DTYPES, TrainingStack
 
 STATE_KEYS = ("params_bytes", "grads_bytes", "master_bytes", "optim_bytes")
@@ -70,7 +70,8 @@ def predict_state(cfg: Config, world: int) -> list[dict[str, int]]:
     """Every rank's state bytes for ``cfg`` on ``world`` ranks, from parameter shapes alone (a meta model)."""
     with torch.device("meta"):
         model = MoETransformer(cfg.model)
-    named = [(p, role) for _, p, role in named_parameter_roles(model) if p.requires_grad]
+    named_full = [(name, p, role) for name, p, role in named_parameter_roles(model) if p.requires_grad]
+    named = [(p, role) for _, p, role in named_full]
     fsdp = world > 1 and cfg.parallel.stack == "fsdp"
     if fsdp:
         return [_predict_fsdp(named, world, r) for r in range(world)]
@@ -94,7 +95,8 @@ def predict_state(cfg: Config, world: int) -> list[dict[str, int]]:
     sizes = {"dp": world, "edp": world // ep, None: 1}
     grad_elt = torch.tensor([], dtype=DTYPES[cfg.parallel.grad_reduce_dtype]).element_size()
     grads = master = optim = 0
-    for members, kind, _ in plan_buckets(entries, cfg.parallel.bucket_size_mb):
+    segments = [param_segment(name) for name, _, _ in named_full]
+    for members, kind, _ in plan_buckets(entries, cfg.parallel.bucket_size_mb, segments):
         padded = padded_numel(sum(entries[i][0] for i in members), sizes[kind])
         shard = padded // sizes[kind]
         grads += padded * grad_elt

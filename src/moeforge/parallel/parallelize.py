@@ -6,6 +6,7 @@ from torch import nn
 
 from moeforge.config import Config
 from moeforge.parallel.activation_checkpoint import apply_activation_checkpointing
+from moeforge.parallel.compile import apply_compile
 from moeforge.parallel.context import parallelize_context
 from moeforge.parallel.ddp import DDPStack
 from moeforge.parallel.expert import parallelize_experts
@@ -22,7 +23,8 @@ def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
     fp32 shards and casts what it gathers), tensor parallelism over ``tp``
     (attention, dense MLPs, head; sequence-parallel elsewhere), experts sharded over ``ep`` with the
     configured dispatcher and a random-routing stream per rank, context
-    parallelism (``parallel.cp > 1``), activation checkpointing, then the stack.
+    parallelism (``parallel.cp > 1``), activation checkpointing, ``torch.compile`` of the blocks
+    (``train.compile``), then the stack.
     One process gets the :class:`LocalStack`, or, with bf16 parameters, the ddp stack with groups of one (for its fp32
     masters).
     """
@@ -33,6 +35,7 @@ def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
     parallelize_experts(model, mesh, cfg.model.moe.dispatcher)  # type: ignore[arg-type]
     parallelize_context(model, mesh)  # type: ignore[arg-type]
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    apply_compile(model, cfg.train.compile)
     if fsdp:
         return FSDPStack(model, cfg, mesh)
     if not mesh.distributed and cfg.train.param_dtype == "fp32":

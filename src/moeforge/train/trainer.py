@@ -108,6 +108,7 @@ class Trainer:
             rank=self.mesh.dp_rank,
             world_size=self.mesh.dp,
             seed=cfg.train.seed,
+            shift_windows=cfg.data.shift_windows,
         )
         self.step = 0
         self.tokens_seen = 0

@@ -1,0 +1,42 @@
+"""``train.compile``: ``torch.compile`` each transformer block of a built model, as torchtitan does.
+
+Applied by :func:`~moeforge.parallel.parallelize.build_stack` after the parallel
+layout and activation checkpointing and before the stack (DDP buckets, FSDP2)
+takes the model, so the compiled graph contains whatever those steps installed
+(collectives and other data-dependent parts stay outside it as graph breaks).
+Only training forwards (grad enabled, module in training mode) run the compiled
+code; evaluation and generation, whose shapes change with every new token, run
+the eager forward, so they never trigger recompilation. Module names, parameters
+and state-dict keys are unchanged (the block is not wrapped), so checkpoints do
+not depend on the setting. Shapes are static (``dynamic=False``): every training
+micro-batch has the same ``(micro_batch_size, seq_len)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compile_module(module: nn.Module) -> nn.Module:
+    """Run ``module``'s training forwards through ``torch.compile``; no-grad or eval forwards stay eager."""
+    eager = module.forward
+    compiled = torch.compile(eager, dynamic=None)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and module.training:
+            return compiled(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+    return module
+
+
+def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
+    """Compile every block of ``model`` (an ``MoETransformer``) when ``enabled``; returns ``model``."""
+    if enabled:
+        for block in model.blocks():  # type: ignore[operator]
+            compile_module(block)
+    return model
