@@ -57,3 +57,10 @@ def test_layout_checks_need_world_size() -> None:
 def test_missing_config_file() -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nope.yaml")
+
+
+def test_compile_is_refused_with_the_quantized_gemms() -> None:
+    load_config(CFG, ["--train.compile=true"])  # bf16: fine
+    for precision in ("mxfp8", "fp8_rowwise"):
+        with pytest.raises(ConfigError, match=r"^train\.compile: train\.precision=\w+: the quantized GEMMs"):
+            load_config(CFG, ["--train.compile=true", f"--train.precision={precision}"])

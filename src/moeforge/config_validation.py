@@ -53,6 +53,12 @@ def _check_low_precision(cfg: Config) -> None:
         "model.moe.expert_impl",
         f"train.precision={p} quantizes the grouped GEMM: set model.moe.expert_impl=grouped",
     )
+    _check(
+        not cfg.train.compile,
+        "train.compile",
+        f"train.precision={p}: the quantized GEMMs do not compile (inductor has no e8m0/fp8 scale "
+        "code on the CPU); set train.compile=false",
+    )
 
 
 def validate_config(cfg: Config, world_size: int | None = None) -> None:
