@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import re
@@ -10,7 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeforge.bench.harness import comparison_variants, parse_variant, sweep_variants
+from moeforge.bench.harness import (
+    add_bench_arguments,
+    command_line,
+    comparison_variants,
+    parse_variant,
+    sweep_variants,
+)
 from moeforge.bench.measure import union_seconds
 from moeforge.bench.report import (
     REQUIRED_VARIANT_KEYS,
@@ -209,3 +216,14 @@ def test_variants_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert rc == 2 and "variant 'E=3'" in err and "parallel.ep" in err
     assert not out.exists()
     assert union_seconds([(0.0, 2e6), (1e6, 3e6), (5e6, 6e6)]) == pytest.approx(4.0)
+
+
+def test_recorded_command_keeps_the_skip_flags() -> None:
+    """results.json's command reproduces the run: --no-profile / --no-checkpoint / --no-plots included."""
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--compare", "overlap", "--no-profile", "--no-checkpoint", "--out", "o"])
+    cmd = command_line(args, ["--train.seed=1"])
+    assert cmd.startswith("moeforge bench --compare overlap --nproc 2") and cmd.endswith("--train.seed=1")
+    assert "--no-profile" in cmd and "--no-checkpoint" in cmd and "--no-plots" not in cmd
+    assert "--no-" not in command_line(parser.parse_args(["--out", "o"]), [])

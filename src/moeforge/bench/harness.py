@@ -184,6 +184,8 @@ def command_line(args: argparse.Namespace, extra: list[str]) -> str:
     parts += ["--nproc", str(args.nproc)] + (["--ep", str(args.ep)] if args.ep else [])
     parts += ["--random-routing"] if args.random_routing else []
     parts += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(args.out)]
+    flags = {"--no-profile": args.profile, "--no-checkpoint": args.checkpoint, "--no-plots": args.plots}
+    parts += [flag for flag, on in flags.items() if not on]
     return " ".join(shlex.quote(p) for p in [*parts, *extra])
 
 
