@@ -29,6 +29,7 @@ def _run(tmp: Path, precision: str) -> dict[str, float]:
             "--train.micro_batch_size=8",
             "--train.eval_every=0",
             f"--train.precision={precision}",
+            "--train.compile=false",  # the quantized GEMMs do not compile on the CPU (refused by the config)
             f"--train.run_dir={tmp / precision}",
             "--train.sample_prompt=",
             "--logging.progress=false",
