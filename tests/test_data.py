@@ -430,6 +430,11 @@ def test_shift_windows_tiles_later_epochs_from_a_seeded_offset(tmp_path):
     assert [a + b for a, b in zip(*ranks)] == shifted
     with pytest.raises(ValueError, match=rf"position 5 is past the 4 steps of epoch {e1}"):
         resumed.load_state_dict({"epoch": e1, "position": 5})
+    # 8 windows fill a global batch of 8 unshifted, but a shifted epoch holds only 7
+    eight = arange_windows(tmp_path, 8 * 8 + 1, seq_len=8)
+    ShardedLoader(eight, 8, 8)
+    with pytest.raises(DataError, match=r"holds 7 windows of 9 tokens, fewer than one global batch"):
+        ShardedLoader(eight, 8, 8, shift_windows=True)
 
 
 def test_loader_validates_batch_layout(tmp_path):

@@ -79,9 +79,11 @@ class ShardedLoader:
                 f"train.micro_batch_size * data-parallel size "
                 f"({micro_batch_size} * {world_size} = {per_pass})"
             )
-        if len(dataset) < global_batch_size:
+        # a shifted epoch may hold one window fewer: every epoch must still fill a global batch
+        fewest = dataset.num_windows(dataset.seq_len - 1) if shift_windows else len(dataset)
+        if fewest < global_batch_size:
             raise DataError(
-                f"{dataset.path}: holds {len(dataset)} windows of {dataset.seq_len + 1} tokens, fewer than "
+                f"{dataset.path}: holds {fewest} windows of {dataset.seq_len + 1} tokens, fewer than "
                 f"one global batch ({global_batch_size}); lower train.global_batch_size or "
                 "data.seq_len, or add text"
             )
