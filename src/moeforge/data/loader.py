@@ -103,16 +103,18 @@ class ShardedLoader:
     @property
     def offset(self) -> int:
         """First token of the current epoch's windows."""
-        return epoch_offset(self.dataset.seq_len, self.seed, self.epoch, self.shift_windows)
+        return self._offset(self.epoch)
 
     @property
     def steps_per_epoch(self) -> int:
         """Complete global batches in the current epoch."""
         return self._steps_in(self.epoch)
 
+    def _offset(self, epoch: int) -> int:
+        return epoch_offset(self.dataset.seq_len, self.seed, epoch, self.shift_windows)
+
     def _steps_in(self, epoch: int) -> int:
-        offset = epoch_offset(self.dataset.seq_len, self.seed, epoch, self.shift_windows)
-        return self.dataset.num_windows(offset) // self.global_batch_size
+        return self.dataset.num_windows(self._offset(epoch)) // self.global_batch_size
 
     @property
     def grad_accum_steps(self) -> int:
