@@ -183,6 +183,19 @@ def test_report_refuses_different_input_hashes(tmp_path: Path) -> None:
     assert json.loads(paths["json"].read_text())["ratios"]["excluded"][0]["name"] == "other"
 
 
+def test_stacks_tuned_headline_is_best_over_best() -> None:
+    """Each stack in each of its settings; the headline divides the fastest ddp by the fastest fsdp."""
+    names = [v.name for v in comparison_variants("stacks_tuned", 2, 2)]
+    assert names == ["fsdp", "fsdp+keep_gathered", "ddp+ep2", "ddp+ep2+per_block"]
+    h = "a" * 64
+    runs = [_fake("fsdp", 100.0, h), _fake("fsdp+keep_gathered", 125.0, h)]
+    runs += [_fake("ddp+ep2", 300.0, h), _fake("ddp+ep2+per_block", 250.0, h)]
+    ratios = compute_ratios(runs, None, "compare stacks_tuned")
+    assert ratios["headline"]["value"] == pytest.approx(300.0 / 125.0)
+    assert ratios["headline"]["label"] == "best ddp+ep2 / best fsdp+keep_gathered tokens/s"
+    assert compute_ratios(runs, None, "compare stacks")["headline"]["value"] == pytest.approx(2.5)  # last / first
+
+
 def test_env_record() -> None:
     """Versions, commit and devices recorded."""
     import torch

@@ -14,6 +14,7 @@ from moeforge.config import ConfigError
 
 COMPARISONS = (
     "stacks",
+    "stacks_tuned",
     "dispatchers",
     "overlap",
     "precision",
@@ -26,6 +27,7 @@ COMPARISONS = (
 )
 DEFAULT_CONFIGS = {
     "stacks": "stacks.yaml",
+    "stacks_tuned": "moe47b_scaled.yaml",
     "dispatchers": "stacks.yaml",
     "overlap": "stacks.yaml",
     "precision": "stacks.yaml",
@@ -66,6 +68,14 @@ def comparison_variants(kind: str, nproc: int, ep: int, fp8: bool = False) -> li
     base = f"ddp+ep{ep}"
     if kind == "stacks":
         return [Variant("fsdp", nproc, ["--parallel.stack=fsdp", "--parallel.ep=1"]), Variant(base, nproc, ddp)]
+    if kind == "stacks_tuned":  # each stack in each of its settings; the headline is best over best
+        fsdp = ["--parallel.stack=fsdp", "--parallel.ep=1"]
+        return [
+            Variant("fsdp", nproc, [*fsdp, "--parallel.fsdp_reshard_after_forward=true"]),
+            Variant("fsdp+keep_gathered", nproc, [*fsdp, "--parallel.fsdp_reshard_after_forward=false"]),
+            Variant(base, nproc, [*ddp, "--parallel.bucket_size_mb=25"]),
+            Variant(f"{base}+per_block", nproc, [*ddp, "--parallel.bucket_size_mb=0"]),
+        ]
     if kind == "dispatchers":
         return [
             Variant(base, nproc, [*ddp, "--model.moe.dispatcher=alltoall"]),
