@@ -217,6 +217,8 @@ def test_variants_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert [v.name for v in comparison_variants("dispatchers", 4, 2)] == ["ddp+ep2", "ddp+ep2+rowwise"]
     overlap = ["ddp+ep2+overlap_off", "ddp+ep2", "ddp+ep2+per_block"]
     assert [v.name for v in comparison_variants("overlap", 2, 2)] == overlap
+    ep_overlap = ["ddp+ep2", "ddp+ep2+a2a_chunks2", "ddp+ep2+a2a_chunks4"]
+    assert [v.name for v in comparison_variants("ep_overlap", 2, 2)] == ep_overlap
     sweep = sweep_variants("num_experts=8,32,128", 2)
     assert (sweep[0].name, sweep[0].overrides, len(sweep)) == ("E=8", ["--model.moe.num_experts=8"], 3)
     custom = parse_variant("one: --parallel.stack=ddp --nproc=1", 2)

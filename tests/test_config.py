@@ -59,6 +59,17 @@ def test_missing_config_file() -> None:
         load_config("/nope.yaml")
 
 
+def test_ep_overlap_chunks_needs_the_alltoall_over_ep() -> None:
+    """Chunked all-to-all overlap: >= 1, and > 1 only where an all-to-all over ep ranks exists."""
+    cfg = load_config(CFG, ["--parallel.ep=2", "--parallel.ep_overlap_chunks=2", "--model.moe.dispatcher=alltoall"])
+    assert cfg.parallel.ep_overlap_chunks == 2
+    with pytest.raises(ConfigError, match=r"^parallel\.ep_overlap_chunks: must be >= 1"):
+        load_config(CFG, ["--parallel.ep_overlap_chunks=0"])
+    for bad in (["--parallel.ep=1"], ["--parallel.ep=2", "--model.moe.dispatcher=rowwise"]):
+        with pytest.raises(ConfigError, match=r"^parallel\.ep_overlap_chunks: overlaps the all-to-all"):
+            load_config(CFG, [*bad, "--parallel.ep_overlap_chunks=2"])
+
+
 def test_compile_is_refused_with_the_quantized_gemms() -> None:
     load_config(CFG, ["--train.compile=true"])  # bf16: fine
     for precision in ("mxfp8", "fp8_rowwise"):

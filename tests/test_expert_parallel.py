@@ -18,6 +18,7 @@ from moeforge.model.moe.dispatch import LocalDispatcher
 from moeforge.model.moe.experts import GroupedExperts
 from moeforge.model.transformer import build_model
 from moeforge.parallel.dispatch_alltoall import AllToAllDispatcher
+from moeforge.parallel.dispatch_overlap import OverlappedAllToAllDispatcher
 from moeforge.parallel.expert import make_dispatcher, parallelize_experts
 from moeforge.parallel.mesh import MoEMesh, build_mesh
 from moeforge.testing import run_distributed_test
@@ -48,8 +49,14 @@ def _inputs(rank: int, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def _run(dispatcher, experts: GroupedExperts, x, indices, weights, g):
-    """Output, x grad and routing-weight grad (see ``run_dispatch``)."""
-    return run_dispatch(dispatcher, experts, x, indices, weights, g)[:3]
+    """Output, x grad and routing-weight grad (see ``run_dispatch``); through ``dispatcher.run``
+    when it overlaps (chunked: its ``dispatch``/``combine`` are the unchunked ones)."""
+    if not isinstance(dispatcher, OverlappedAllToAllDispatcher):
+        return run_dispatch(dispatcher, experts, x, indices, weights, g)[:3]
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    out = dispatcher.run(x, indices, weights, experts)
+    (out * g).sum().backward()
+    return out.detach(), x.grad, weights.grad
 
 
 def _experts(w1: torch.Tensor, w2: torch.Tensor) -> GroupedExperts:
@@ -60,15 +67,19 @@ def _experts(w1: torch.Tensor, w2: torch.Tensor) -> GroupedExperts:
     return m
 
 
-def _check_dispatcher(mesh: MoEMesh, mode: str) -> None:
-    """All-to-all on this rank's ep group == local dispatcher on the same routing (outputs and grads)."""
+def _check_dispatcher(mesh: MoEMesh, mode: str, chunks: int = 1) -> None:
+    """All-to-all on this rank's ep group == local dispatcher on the same routing (outputs and grads);
+    ``chunks > 1``: the overlapped dispatcher, tokens in that many chunks (some empty when few tokens)."""
     ep, ep_rank, rank = mesh.ep, mesh.ep_rank, mesh.rank
     group_ranks = [rank - ep_rank + i for i in range(ep)]
     local_e = E // ep
     w1, w2 = _full_expert_weights()
     mine = slice(ep_rank * local_e, (ep_rank + 1) * local_e)
 
-    dispatcher = AllToAllDispatcher(E, mesh.ep_group)
+    if chunks > 1:
+        dispatcher = OverlappedAllToAllDispatcher(E, mesh.ep_group, chunks)
+    else:
+        dispatcher = AllToAllDispatcher(E, mesh.ep_group)
     assert dispatcher.num_local_experts == local_e
     ep_experts = _experts(w1[mine], w2[mine])
     out, dx, dweights = _run(dispatcher, ep_experts, *_inputs(rank, mode))
@@ -117,8 +128,9 @@ def _starve_last_rank_layer0(model, num_experts: int, ep: int) -> None:
     bias[num_experts - num_experts // ep :] = -100.0
 
 
-def _check_model(mesh: MoEMesh) -> None:
-    """MoETransformer with EP: logits and all grads equal the single-process model on the same batches."""
+def _check_model(mesh: MoEMesh, chunks: int = 1) -> None:
+    """MoETransformer with EP: logits and all grads equal the single-process model on the same batches
+    (``chunks > 1``: the all-to-all overlapped with the experts in that many chunks)."""
     num_experts = 4
     cfg = _tiny_model_config(num_experts)
     ep, ep_rank, rank, world = mesh.ep, mesh.ep_rank, mesh.rank, mesh.world_size
@@ -128,7 +140,8 @@ def _check_model(mesh: MoEMesh) -> None:
 
     ref = build_model(cfg, seed=3)
     _starve_last_rank_layer0(ref, num_experts, ep)
-    model = parallelize_experts(build_model(cfg, seed=3), mesh)
+    model = parallelize_experts(build_model(cfg, seed=3), mesh, overlap_chunks=chunks)
+    assert isinstance(model.moe_layers()[0].dispatcher, OverlappedAllToAllDispatcher) == (chunks > 1)
     _starve_last_rank_layer0(model, num_experts, ep)
 
     # Layout: Shard(0) DTensors with the full logical shape in the state dict.
@@ -176,7 +189,10 @@ def _two_rank_cases() -> None:
     mesh = build_mesh(ParallelConfig(ep=2))
     for mode in ("random", "first_experts_only", "gaps", "rank1_sends_nothing"):
         _check_dispatcher(mesh, mode)
+        for chunks in (2, 4):  # rank 0 holds 3 tokens: with 4 chunks one of its chunks is empty
+            _check_dispatcher(mesh, mode, chunks)
     _check_model(mesh)
+    _check_model(mesh, chunks=2)
     # A size-1 ep group is exactly the local dispatcher.
     single = build_mesh(ParallelConfig(ep=1))
     assert dist.get_world_size(single.ep_group) == 1
@@ -195,7 +211,10 @@ def _four_rank_cases() -> None:
     mesh2 = build_mesh(ParallelConfig(ep=2))  # two ep groups, expert-data-parallel 2
     for mode in ("random", "gaps"):
         _check_dispatcher(mesh2, mode)
+    _check_dispatcher(mesh4, "random", chunks=3)
+    _check_dispatcher(mesh2, "random", chunks=2)
     _check_model(mesh2)
+    _check_model(mesh2, chunks=3)
 
 
 def test_expert_parallel_two_ranks() -> None:

@@ -207,6 +207,9 @@ def _two_ranks() -> None:
     check_case(tiny_config("ddp", ep=2, overlap=True, bucket_mb=tiny, dead_experts=True), dead_experts=True)
     check_case(tiny_config("ddp", ep=2, overlap=False))
     check_case(tiny_config("ddp", ep=2, overlap=True, bucket_mb=0))  # one bucket per block
+    chunked = tiny_config("ddp", ep=2, overlap=True, bucket_mb=tiny)  # bucket hooks between the async all-to-alls
+    chunked.parallel.ep_overlap_chunks = 2
+    check_case(chunked)
     check_case(tiny_config("fsdp"))
     check_fsdp_bf16()
 
@@ -214,6 +217,9 @@ def _two_ranks() -> None:
 def _four_ranks() -> None:
     check_case(tiny_config("ddp", ep=2, overlap=True, bucket_mb=0.01, dead_experts=True), dead_experts=True)
     check_case(tiny_config("ddp", ep=2, overlap=False))
+    chunked = tiny_config("ddp", ep=2, overlap=True, bucket_mb=0.01, dead_experts=True)
+    chunked.parallel.ep_overlap_chunks = 3
+    check_case(chunked, dead_experts=True)
     cfg = tiny_config("ddp", ep=2)
     stack = build_stack(make_model(cfg), cfg, build_mesh(cfg.parallel))
     n_params = sum(p.numel() for p in make_model(cfg).parameters())

@@ -186,6 +186,14 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(p.dp >= 0, "parallel.dp", "must be >= 0 (0: inferred from the world size)")
     _check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
     _check(p.bucket_size_mb >= 0, "parallel.bucket_size_mb", "must be >= 0 (0: one bucket per transformer block)")
+    _check(p.ep_overlap_chunks >= 1, "parallel.ep_overlap_chunks", "must be >= 1 (1: no overlap)")
+    if p.ep_overlap_chunks > 1:
+        _check(
+            moe.dispatcher == "alltoall" and p.ep > 1,
+            "parallel.ep_overlap_chunks",
+            f"overlaps the all-to-all of expert parallelism: needs model.moe.dispatcher=alltoall and parallel.ep > 1 "
+            f"(got {moe.dispatcher!r}, ep={p.ep}); set it to 1",
+        )
     if p.stack == "fsdp":
         _check(p.ep == 1, "parallel.ep", "the fsdp stack shards every expert instead; set parallel.ep=1")
     if world_size is not None:

@@ -17,6 +17,7 @@ COMPARISONS = (
     "stacks_tuned",
     "dispatchers",
     "overlap",
+    "ep_overlap",
     "precision",
     "routing",
     "pipeline",
@@ -30,6 +31,7 @@ DEFAULT_CONFIGS = {
     "stacks_tuned": "moe47b_scaled.yaml",
     "dispatchers": "stacks.yaml",
     "overlap": "stacks.yaml",
+    "ep_overlap": "stacks.yaml",
     "precision": "stacks.yaml",
     "routing": "stacks.yaml",
     "pipeline": "stacks.yaml",
@@ -89,6 +91,18 @@ def comparison_variants(kind: str, nproc: int, ep: int, fp8: bool = False) -> li
             # completes only at the end of backward, so "overlap" would have nothing to overlap
             Variant(
                 f"{base}+per_block", nproc, [*ddp, "--parallel.overlap_grad_reduce=true", "--parallel.bucket_size_mb=0"]
+            ),
+        ]
+    if kind == "ep_overlap":  # the token all-to-all in chunks, each overlapped with another chunk's experts
+        return [
+            Variant(base, nproc, [*ddp, "--model.moe.dispatcher=alltoall", "--parallel.ep_overlap_chunks=1"]),
+            *(
+                Variant(
+                    f"{base}+a2a_chunks{c}",
+                    nproc,
+                    [*ddp, "--model.moe.dispatcher=alltoall", f"--parallel.ep_overlap_chunks={c}"],
+                )
+                for c in (2, 4)
             ),
         ]
     if kind == "precision":  # bf16 is the reference, mxfp8 last (the headline: mxfp8 / bf16)

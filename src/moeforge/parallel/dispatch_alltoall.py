@@ -70,6 +70,26 @@ def all_to_all_rows(x: Tensor, output_splits: list[int], input_splits: list[int]
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
+def regroup_by_local_expert(received: Tensor, recv_counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Received rows (source-major: ``recv_counts[s, l]`` rows from rank ``s`` for local expert ``l``)
+    -> ``(rows local-expert-major, int32 cumulative offsets per local expert, the permutation)``."""
+    ep, local_e = recv_counts.shape
+    # source-major (s, l) chunks -> expert-major (l, s): a stable sort by l * ep + s
+    chunk = torch.arange(ep * local_e, device=received.device)
+    chunk_key = (chunk % local_e) * ep + chunk // local_e
+    row_key = torch.repeat_interleave(chunk_key, recv_counts.reshape(-1), output_size=received.shape[0])
+    regroup = torch.argsort(row_key, stable=True)
+    offsets = recv_counts.sum(dim=0).cumsum(0).to(torch.int32)
+    return received[regroup], offsets, regroup
+
+
+def invert_permutation(perm: Tensor) -> Tensor:
+    """``inverse`` with ``inverse[perm[i]] = i``."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inverse
+
+
 @dataclass
 class _AllToAllState:
     """What ``combine`` needs from ``dispatch``."""
@@ -121,15 +141,8 @@ class AllToAllDispatcher(Dispatcher):
         send_splits, recv_splits = splits[:ep], splits[ep:]
 
         received = all_to_all_rows(rows, recv_splits, send_splits, self.ep_group)
-
-        # Source-major (s, l) chunks -> expert-major (l, s): a stable sort by l * ep + s.
-        chunk = torch.arange(ep * local_e, device=x.device)
-        chunk_key = (chunk % local_e) * ep + chunk // local_e
-        row_key = torch.repeat_interleave(chunk_key, recv_counts, output_size=sum(recv_splits))
-        regroup = torch.argsort(row_key, stable=True)
-        grouped = received[regroup]
+        grouped, offsets, regroup = regroup_by_local_expert(received, recv_counts.view(ep, local_e))
         per_local_expert = recv_counts.view(ep, local_e).sum(dim=0)
-        offsets = per_local_expert.cumsum(0).to(torch.int32)
 
         self.stats = DispatchStats(
             dropped_routes=torch.zeros((), device=x.device),
@@ -147,8 +160,6 @@ class AllToAllDispatcher(Dispatcher):
             return self._local.combine(y, state)
         assert self.ep_group is not None
         st: _AllToAllState = state
-        inverse = torch.empty_like(st.regroup)
-        inverse[st.regroup] = torch.arange(st.regroup.numel(), device=st.regroup.device)
-        source_major = y[inverse]
+        source_major = y[invert_permutation(st.regroup)]
         returned = all_to_all_rows(source_major, st.send_splits, st.recv_splits, self.ep_group)
         return weighted_unpermute(returned, st.order, st.weights)

@@ -21,6 +21,7 @@ from moeforge.model.moe.dispatch import Dispatcher, LocalDispatcher
 from moeforge.model.moe.layer import MoELayer
 from moeforge.model.transformer import MoETransformer
 from moeforge.parallel.dispatch_alltoall import AllToAllDispatcher
+from moeforge.parallel.dispatch_overlap import OverlappedAllToAllDispatcher
 from moeforge.parallel.dispatch_rowwise import RowwiseDispatcher
 from moeforge.parallel.mesh import MoEMesh
 
@@ -29,8 +30,9 @@ logger = logging.getLogger(__name__)
 DISPATCHERS = ("local", "alltoall", "rowwise")
 
 
-def make_dispatcher(layer: MoELayer, mesh: MoEMesh, dispatcher: str) -> Dispatcher:
-    """The dispatcher named ``dispatcher`` for ``layer`` on ``mesh`` (ep group None when ep == 1)."""
+def make_dispatcher(layer: MoELayer, mesh: MoEMesh, dispatcher: str, overlap_chunks: int = 1) -> Dispatcher:
+    """The dispatcher named ``dispatcher`` for ``layer`` on ``mesh`` (ep group None when ep == 1);
+    ``overlap_chunks > 1``: the all-to-all in that many chunks overlapped with the expert GEMMs."""
     num_experts = layer.cfg.num_experts
     ep_group = mesh.ep_group if mesh.ep > 1 else None
     if dispatcher == "local":
@@ -40,6 +42,8 @@ def make_dispatcher(layer: MoELayer, mesh: MoEMesh, dispatcher: str) -> Dispatch
                 "use 'alltoall' or 'rowwise' with expert parallelism"
             )
         return LocalDispatcher(num_experts)
+    if dispatcher == "alltoall" and overlap_chunks > 1:
+        return OverlappedAllToAllDispatcher(num_experts, ep_group, overlap_chunks)
     if dispatcher == "alltoall":
         return AllToAllDispatcher(num_experts, ep_group)
     if dispatcher == "rowwise":
@@ -55,7 +59,9 @@ def _shard_param(param: nn.Parameter, mesh: MoEMesh) -> nn.Parameter:
     return nn.Parameter(sharded, requires_grad=param.requires_grad)
 
 
-def parallelize_experts(model: MoETransformer, mesh: MoEMesh, dispatcher: str = "alltoall") -> MoETransformer:
+def parallelize_experts(
+    model: MoETransformer, mesh: MoEMesh, dispatcher: str = "alltoall", overlap_chunks: int = 1
+) -> MoETransformer:
     """Shard every MoE layer's experts over ``mesh.ep_mesh`` and install ``dispatcher``; returns ``model``.
 
     With ``mesh.ep == 1`` the weights stay plain tensors (every rank holds all
@@ -77,7 +83,7 @@ def parallelize_experts(model: MoETransformer, mesh: MoEMesh, dispatcher: str = 
         if shard:
             layer.experts.w1 = _shard_param(layer.experts.w1, mesh)
             layer.experts.w2 = _shard_param(layer.experts.w2, mesh)
-        layer.dispatcher = make_dispatcher(layer, mesh, dispatcher)
+        layer.dispatcher = make_dispatcher(layer, mesh, dispatcher, overlap_chunks)
     if layers:
         logger.info(
             "expert parallelism: ep=%d, %d experts per rank, dispatcher=%s, %d MoE layers",

@@ -32,7 +32,7 @@ def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
     if not fsdp:  # FSDP keeps fp32 shards and casts what it gathers (its MixedPrecisionPolicy)
         cast_parameters(model, DTYPES[cfg.train.param_dtype])
     parallelize_tensor(model, mesh)  # type: ignore[arg-type]
-    parallelize_experts(model, mesh, cfg.model.moe.dispatcher)  # type: ignore[arg-type]
+    parallelize_experts(model, mesh, cfg.model.moe.dispatcher, cfg.parallel.ep_overlap_chunks)  # type: ignore[arg-type]
     parallelize_context(model, mesh)  # type: ignore[arg-type]
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     apply_compile(model, cfg.train.compile)

@@ -8,6 +8,7 @@ dispatcher is the reference that every distributed dispatcher must match.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,12 @@ class Dispatcher:
     def combine(self, y: Tensor, state: Any) -> Tensor:
         """Return ``(N, D)`` outputs in token order, weighted by routing weight."""
         raise NotImplementedError
+
+    def run(self, x: Tensor, indices: Tensor, weights: Tensor, experts: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """``combine(experts(*dispatch(...)))``; a dispatcher that overlaps its exchange with the
+        expert GEMMs overrides this."""
+        rows, offsets, state = self.dispatch(x, indices, weights)
+        return self.combine(experts(rows, offsets), state)
 
 
 def sort_routes(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:

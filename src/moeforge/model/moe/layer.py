@@ -35,8 +35,7 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
         self.last_routing = routing
-        rows, offsets, state = self.dispatcher.dispatch(flat, routing.indices, routing.weights)
-        out = self.dispatcher.combine(self.experts(rows, offsets), state).to(x.dtype)
+        out = self.dispatcher.run(flat, routing.indices, routing.weights, self.experts).to(x.dtype)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
