@@ -48,3 +48,17 @@ def test_layouts_match_single_process(tmp_path: Path) -> None:
         assert got[-1]["tokens_per_s_per_device"] * 2 == got[-1]["tokens_per_s"]
     rowwise = read_metrics(tmp_path / "ddp_ep2_rowwise")[-1]
     assert rowwise["moe/dropped_frac"] == 0.0
+
+
+def _leave_twice() -> None:
+    from moeforge.train.distributed import leave_process_group
+
+    assert dist.is_initialized()
+    assert leave_process_group() is True  # barrier, then every group destroyed
+    assert not dist.is_initialized()
+    assert leave_process_group() is False  # nothing left to leave
+
+
+def test_leave_process_group_destroys_the_groups() -> None:
+    """A finished multi-process `moeforge train` leaves its process groups before exiting (see cli.cmd_train)."""
+    run_distributed_test(_leave_twice, 2)

@@ -36,6 +36,18 @@ def init_distributed(cfg: Config, device: torch.device) -> MoEMesh:
     return build_mesh(cfg.parallel, device.type)
 
 
+def leave_process_group() -> bool:
+    """After a finished run: wait for every rank, then destroy the process groups; False if none was joined.
+
+    Leaving gloo's worker threads to the interpreter's teardown aborts the process now and then
+    ("terminate called without an active exception", SIGABRT) after the run has finished and saved."""
+    if not dist.is_initialized():
+        return False
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """In-place sum over ``group`` (a mesh group); identity for ``None`` (a single process)."""
     if group is not None and dist.get_world_size(group) > 1:
