@@ -24,7 +24,7 @@ def main(out: str, modes: list[str]) -> None:
     """Write ``{mode: {step_s, aligned_over_unaligned_speed}}`` and the environment to ``out``."""
     torch.set_num_threads(1)
     cfg = load_config("configs/bench/hf.yaml", [])
-    batches = token_batches(cfg.model.vocab_size, 8, 256, 4, 0, torch.device("cpu"))
+    batches = token_batches(cfg.model.vocab_size, 8, 256, 12, 0, torch.device("cpu"))
     result: dict = {"command": "PYTHONPATH=src python scripts/bench_cpu_align.py " + " ".join([out, *modes])}
     for mode in modes:
         contenders = {}
@@ -37,7 +37,7 @@ def main(out: str, modes: list[str]) -> None:
                 layer.experts.cpu_align_dtypes = (torch.float32, torch.bfloat16, torch.float16)  # every dtype
             contenders[name] = _Contender(model, False, mode, cfg.model.moe.aux_loss_coef, 1e-4)
         fns = {n: (lambda i, c=c: c.step(batches[i])) for n, c in contenders.items()}
-        times = alternate_timed(fns, 1, 3, torch.device("cpu"))
+        times = alternate_timed(fns, 2, 10, torch.device("cpu"))
         med = {n: statistics.median(v) for n, v in times.items()}
         result[mode] = {"step_s": times, "aligned_over_unaligned_speed": med["unaligned"] / med["aligned64"]}
         sys.stdout.write(f"{mode}: aligned / unaligned speed = {result[mode]['aligned_over_unaligned_speed']:.2f}x\n")
