@@ -90,6 +90,18 @@ def invert_permutation(perm: Tensor) -> Tensor:
     return inverse
 
 
+def alltoall_stats(send_per_rank: Tensor, recv_per_rank: Tensor, per_local_expert: Tensor) -> DispatchStats:
+    """A dropless exchange's load: rows sent to each ep rank, rows received, rows per local expert."""
+    return DispatchStats(
+        dropped_routes=torch.zeros((), device=send_per_rank.device),
+        tokens_per_rank=send_per_rank.detach().float(),
+        extra={
+            "rows_received": recv_per_rank.sum().detach().float(),
+            "tokens_per_local_expert": per_local_expert.detach().float(),
+        },
+    )
+
+
 @dataclass
 class _AllToAllState:
     """What ``combine`` needs from ``dispatch``."""
@@ -144,14 +156,7 @@ class AllToAllDispatcher(Dispatcher):
         grouped, offsets, regroup = regroup_by_local_expert(received, recv_counts.view(ep, local_e))
         per_local_expert = recv_counts.view(ep, local_e).sum(dim=0)
 
-        self.stats = DispatchStats(
-            dropped_routes=torch.zeros((), device=x.device),
-            tokens_per_rank=send_per_rank.detach().float(),
-            extra={
-                "rows_received": recv_per_rank.sum().detach().float(),
-                "tokens_per_local_expert": per_local_expert.detach().float(),
-            },
-        )
+        self.stats = alltoall_stats(send_per_rank, recv_per_rank, per_local_expert)
         return grouped, offsets, _AllToAllState(order, weights, regroup, send_splits, recv_splits)
 
     def combine(self, y: Tensor, state: Any) -> Tensor:

@@ -14,7 +14,7 @@ host in one read, as in the unchunked dispatcher. The result equals
 :class:`~moeforge.parallel.dispatch_alltoall.AllToAllDispatcher` (and so the
 local reference) up to float round-off, since each chunk is an ordinary
 dropless dispatch of its tokens. The articles found that overlap can slow
-training: this is an option to measure (``moeforge bench --compare a2a_overlap``),
+training: this is an option to measure (``moeforge bench --compare ep_overlap``),
 off by default (``parallel.ep_overlap_chunks: 1``).
 """
 
@@ -28,8 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moeforge.model.moe.dispatch import DispatchStats, sort_routes, weighted_unpermute
-from moeforge.parallel.dispatch_alltoall import AllToAllDispatcher, invert_permutation, regroup_by_local_expert
+from moeforge.model.moe.dispatch import sort_routes, weighted_unpermute
+from moeforge.parallel.dispatch_alltoall import (
+    AllToAllDispatcher,
+    alltoall_stats,
+    invert_permutation,
+    regroup_by_local_expert,
+)
 
 
 @dataclass
@@ -141,13 +146,5 @@ class OverlappedAllToAllDispatcher(AllToAllDispatcher):
         for chunk in chunks:
             returned = _WaitAllToAll.apply(chunk.in_flight, chunk.combine)
             outs.append(weighted_unpermute(returned, chunk.order, chunk.weights))
-        per_local_expert = recv.sum(dim=(0, 1))
-        self.stats = DispatchStats(
-            dropped_routes=torch.zeros((), device=x.device),
-            tokens_per_rank=send_per_rank.sum(dim=1).detach().float(),
-            extra={
-                "rows_received": recv_per_rank.sum().detach().float(),
-                "tokens_per_local_expert": per_local_expert.detach().float(),
-            },
-        )
+        self.stats = alltoall_stats(send_per_rank.sum(dim=1), recv_per_rank, recv.sum(dim=(0, 1)))
         return torch.cat(outs)
