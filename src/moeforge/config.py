@@ -127,6 +127,7 @@ class TrainConfig:
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     resume: Literal["auto", "never", "require"] = "auto"  # when checkpoints exist (docs/checkpoints.md)
     async_save: bool = False  # snapshot to CPU, write the checkpoint in a background thread
+    async_save_reuse_buffers: bool = True  # async_save: keep the CPU snapshot between saves (no allocation after one)
     debug_kill_at_step: int = 0  # TEST ONLY: SIGKILL the last rank at its first save at/after this step, once
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8  # validation batches of micro_batch_size sequences per evaluation

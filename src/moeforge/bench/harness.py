@@ -151,6 +151,7 @@ def launch(
         cmd.append("--no-profile")
     if not args.checkpoint:
         cmd.append("--no-checkpoint")
+    cmd += ["--ckpt-repeats", str(args.ckpt_repeats)]
     env = dict(os.environ, OMP_NUM_THREADS=str(cpu_threads(variant.nproc)))
     log_path = vdir / "log.txt"
     (vdir / RESULT_FILE).unlink(missing_ok=True)
@@ -194,6 +195,8 @@ def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.warmup < 0 or args.steps < 1:
         raise ConfigError(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
+    if args.ckpt_repeats < 1:
+        raise ConfigError(f"--ckpt-repeats must be >= 1, got {args.ckpt_repeats}")
     base = (
         Path(args.config)
         if args.config
@@ -307,5 +310,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-checkpoint", dest="checkpoint", action="store_false", help="skip timing checkpoint save and load"
+    )
+    parser.add_argument(
+        "--ckpt-repeats", type=int, default=3, help="checkpoint saves timed per variant (medians reported)"
     )
     parser.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -119,34 +120,46 @@ def timed(fn: Any, trainer: Trainer) -> float:
     return time.perf_counter() - t0
 
 
-def time_checkpoint(trainer: Trainer) -> dict[str, float]:
-    """Save the current state and load it back; seconds blocked, seconds until published, seconds to load, bytes.
+def time_checkpoint(trainer: Trainer, repeats: int = 1) -> dict[str, Any]:
+    """Save the current state ``repeats`` times and load it back; medians of seconds blocked, until published, raw.
 
     Any earlier background save is joined first, so ``blocking_s`` is only what
-    this save makes the training loop wait for: the CPU snapshot with
-    ``train.async_save``, the whole write without.
+    a save makes the training loop wait for: the CPU snapshot with
+    ``train.async_save``, the whole write without. Each save (of the same step:
+    a re-save replaces the published directory) is followed by a raw
+    ``write`` + ``fsync`` of the same bytes to the same directory, so every
+    save has its own disk reference; the first save is reported apart too (an
+    async save allocates its CPU snapshot there, later ones reuse it).
     """
     manager = trainer.checkpointer
     timed(manager.wait, trainer)
     save = lambda: manager.save(trainer.step, trainer.model, trainer.stack, trainer.trainer_state())  # noqa: E731
-    blocking = timed(save, trainer)
-    total = blocking + timed(manager.wait, trainer)
-    load = timed(trainer.maybe_resume, trainer)
     path = checkpoints_dir(trainer.run_dir) / step_name(trainer.step)
-    nbytes = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if trainer.is_main else 0
-    raw_s = disk_write_probe(path.parent, nbytes) if trainer.is_main and nbytes else float("nan")
-    barrier(trainer.mesh)
+    blocking, total, raw, nbytes = [], [], [], 0
+    for _ in range(max(1, repeats)):
+        blocking.append(timed(save, trainer))
+        total.append(blocking[-1] + timed(manager.wait, trainer))
+        nbytes = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if trainer.is_main else 0
+        raw.append(disk_write_probe(path.parent, nbytes) if trainer.is_main and nbytes else float("nan"))
+        barrier(trainer.mesh)
+    load = timed(trainer.maybe_resume, trainer)
     if trainer.is_main:
         shutil.rmtree(path.parent, ignore_errors=True)  # the run's checkpoints directory
+    ratio = lambda a, z: a / z if z > 0 else float("nan")  # noqa: E731
     return {
-        "blocking_s": blocking,
-        "total_s": total,
+        "repeats": len(total),
+        "blocking_s": statistics.median(blocking),
+        "total_s": statistics.median(total),
+        "first_blocking_s": blocking[0],
         "load_s": load,
         "bytes": float(nbytes),
-        "raw_write_s": raw_s,
+        "raw_write_s": statistics.median(raw),
         # the save's bandwidth as a fraction of the disk's raw sequential write+fsync of the same bytes
-        "save_fraction_of_raw": raw_s / total if total > 0 else float("nan"),
-        "blocking_fraction_of_save": blocking / total if total > 0 else float("nan"),
+        "save_fraction_of_raw": statistics.median(ratio(r, t) for r, t in zip(raw, total)),
+        "blocking_fraction_of_save": statistics.median(ratio(b, t) for b, t in zip(blocking, total)),
+        "blocking_s_all": blocking,
+        "total_s_all": total,
+        "raw_write_s_all": raw,
     }
 
 

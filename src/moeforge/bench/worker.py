@@ -23,8 +23,9 @@ under ``torchrun``; rank 0 writes ``D/result.json``. What one run does, in order
    throughput numbers, since profiling slows the step.
    Energy over the timed steps (:mod:`moeforge.bench.energy`: NVML per GPU, RAPL per CPU package)
    goes into ``energy`` (joules per token, average power), null with the reason where unreadable.
-6. Saves a checkpoint with the trainer's checkpoint manager and loads it with
-   ``trainer.maybe_resume()``. The save's *blocking* time is what the training
+6. Saves a checkpoint with the trainer's checkpoint manager ``--ckpt-repeats``
+   times (each followed by a raw write + fsync of the same bytes; medians
+   reported) and loads it with ``trainer.maybe_resume()``. The save's *blocking* time is what the training
    loop waits for (with ``train.async_save``: the CPU snapshot only, the
    slowest rank's), measured after any earlier save has been joined; its total
    time runs until the checkpoint is published.
@@ -222,12 +223,12 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         comm_local = collective_seconds(prof)
 
     save_s = save_blocking_s = load_s = ckpt_bytes = None
-    ckpt_disk: dict[str, float] = {}
+    ckpt_disk: dict[str, Any] = {}
     if args.checkpoint:
-        ckpt = time_checkpoint(trainer)
+        ckpt = time_checkpoint(trainer, args.ckpt_repeats)
         save_blocking_s, save_s, load_s = ckpt["blocking_s"], ckpt["total_s"], ckpt["load_s"]
         ckpt_bytes = int(ckpt["bytes"]) if trainer.is_main else None
-        ckpt_disk = {k: ckpt[k] for k in ("raw_write_s", "save_fraction_of_raw", "blocking_fraction_of_save")}
+        ckpt_disk = {k: v for k, v in ckpt.items() if k not in ("blocking_s", "total_s", "load_s", "bytes")}
 
     reducer = getattr(trainer.stack, "reducer", None)
     bubble_local = waited.seconds / elapsed_local  # time this rank idled waiting for its pipeline peers
@@ -323,6 +324,12 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "ckpt_raw_write_s": ckpt_disk.get("raw_write_s"),  # write+fsync of the same bytes, same disk, same run
         "ckpt_save_fraction_of_raw": ckpt_disk.get("save_fraction_of_raw"),
         "ckpt_blocking_fraction_of_save": ckpt_disk.get("blocking_fraction_of_save"),
+        # the figures above are medians over ckpt_repeats saves of the same state; every save's own below
+        "ckpt_repeats": ckpt_disk.get("repeats"),
+        "ckpt_first_save_blocking_s": ckpt_disk.get("first_blocking_s"),
+        "ckpt_save_s_all": ckpt_disk.get("total_s_all"),
+        "ckpt_save_blocking_s_all": ckpt_disk.get("blocking_s_all"),
+        "ckpt_raw_write_s_all": ckpt_disk.get("raw_write_s_all"),
         "expert_load_max_over_mean": worst("expert_imbalance"),
         "ep_rank_load_max_over_mean": worst("rank_imbalance"),
         # every MoE layer routes the same N * k routes, so the mean over layers is the overall fraction
@@ -353,14 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-peak-bf16", type=float, default=None, help="CPU bf16 peak TFLOP/s measured by the harness")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the communication profile")
     p.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="skip checkpoint timing")
+    p.add_argument("--ckpt-repeats", type=int, default=3, help="checkpoint saves timed (medians reported)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one variant; rank 0 writes ``OUT/result.json``."""
     args = build_parser().parse_args(argv)
-    if args.warmup < 0 or args.steps < 1:
-        raise SystemExit("bench worker: --warmup must be >= 0 and --steps >= 1")
+    if args.warmup < 0 or args.steps < 1 or args.ckpt_repeats < 1:
+        raise SystemExit("bench worker: --warmup must be >= 0, --steps >= 1 and --ckpt-repeats >= 1")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     record = run_variant(args)
     is_main = record.pop("_is_main")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from moeforge.config import Config
+from moeforge.parallel.flat_shards import Stage
 from moeforge.parallel.grad_buckets import GradReducer
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.optimizer import DistributedOptimizer
@@ -53,12 +54,10 @@ class DDPStack(TrainingStack):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
-    def optimizer_state_dict(self, copy: bool = False) -> dict[str, Tensor]:
+    def optimizer_state_dict(self, stage: Stage | None = None) -> dict[str, Tensor]:
         """Each rank's shards as DCP pieces of the full logical tensors (see ``sharded_state_dict``)."""
         return {
-            f"{fqn}.{k}": v
-            for fqn, entry in self.optimizer.sharded_state_dict(copy=copy).items()
-            for k, v in entry.items()
+            f"{fqn}.{k}": v for fqn, entry in self.optimizer.sharded_state_dict(stage).items() for k, v in entry.items()
         }
 
     def load_optimizer_state_dict(self, loaded: dict[str, Tensor]) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -151,9 +151,52 @@ def sharded_slab_tensor(
     return _sharded_from_boxes(flat, global_shape, owner_boxes, boxes(slab, start, end), start)
 
 
-def snapshot(t: Tensor) -> Tensor:
-    """A CPU copy for a checkpoint that training cannot change (a DTensor stays a DTensor over the same mesh)."""
-    if isinstance(t, DTensor):
-        local = t.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
-    return t.detach().to("cpu", copy=True)
+class SnapshotBuffers:
+    """CPU snapshots for a background checkpoint, keyed by name and reused from one save to the next.
+
+    ``stage(key, t)`` returns a CPU copy of ``t`` that training cannot change
+    (a DTensor stays a DTensor over the same mesh). With ``reuse`` the copy
+    lands in the buffer the previous save of ``key`` used (allocated, pinned
+    when ``t`` is on a GPU, at the first save), so a save after the first
+    costs one memcpy per tensor and no allocation or page faults; the price is
+    host memory for one copy of the state between saves. The caller must not
+    stage again while a write still reads the buffers (the checkpoint manager
+    joins the previous save first). Call :meth:`ready` after the last
+    ``stage`` of a save: it waits for the device-to-host copies.
+    """
+
+    def __init__(self, reuse: bool = True) -> None:
+        self.reuse = reuse
+        self._buffers: dict[str, Tensor] = {}
+        self._device_copies = False
+
+    def __call__(self, key: str, t: Tensor) -> Tensor:
+        if isinstance(t, DTensor):
+            local = self(key, t.to_local())
+            return DTensor.from_local(
+                local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False
+            )
+        src = t.detach()
+        buf = self._buffers.get(key) if self.reuse else None
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            pin = src.device.type == "cuda"
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+            if self.reuse:
+                self._buffers[key] = buf
+        buf.copy_(src, non_blocking=src.device.type == "cuda")
+        self._device_copies |= src.device.type == "cuda"
+        return buf
+
+    def ready(self) -> None:
+        """Wait until every copy staged so far has landed in host memory."""
+        if self._device_copies:
+            torch.cuda.synchronize()
+            self._device_copies = False
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held between saves (0 without ``reuse``)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+Stage = Callable[[str, Tensor], Tensor]  # a SnapshotBuffers: (key, tensor) -> a CPU copy for a background save

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moeforge.model.moe.experts import local_tensor
-from moeforge.parallel.flat_shards import sharded_flat_tensor, sharded_slab_tensor
+from moeforge.parallel.flat_shards import Stage, sharded_flat_tensor, sharded_slab_tensor
 from moeforge.parallel.grad_buckets import BucketEntry, GradBucket, GradReducer, all_gather_single
 
 _PIPELINE_DEPTH = 2  # all-gathers in flight during the weight update
@@ -200,7 +200,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "shards": [{k: v.clone() for k, v in st.items()} for st in self.shard_state],
         }
 
-    def sharded_state_dict(self, copy: bool = False) -> dict[str, dict[str, Tensor]]:
+    def sharded_state_dict(self, stage: Stage | None = None) -> dict[str, dict[str, Tensor]]:
         """``{fqn: {"exp_avg", "exp_avg_sq", "step"[, "master"]}}``, topology-neutral.
 
         Moments and fp32 masters (present only for non-fp32 parameters) have
@@ -208,14 +208,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         each, as ``ShardedTensor`` pieces that are views of the optimizer's
         buffers (so ``torch.distributed.checkpoint.load`` fills them in place;
         finish with :meth:`load_sharded_state_dict`). ``step`` is a 0-d fp32
-        tensor as in torch AdamW. ``copy=True`` snapshots the buffers to CPU
-        first, for a save that runs while training goes on. Every logical
+        tensor as in torch AdamW. With ``stage`` the pieces view its CPU copies
+        of the buffers instead, for a save that runs while training goes on. Every logical
         element is owned by exactly one rank, so DCP writes each once.
         """
         out: dict[str, dict[str, Tensor]] = {}
         step = torch.tensor(float(self.step_count), dtype=torch.float32)
-        for b, st in zip(self.reducer.buckets, self.shard_state):
-            bufs = {k: (v.detach().to("cpu", copy=True) if copy else v) for k, v in st.items()}
+        for i, (b, st) in enumerate(zip(self.reducer.buckets, self.shard_state)):
+            bufs = {k: (stage(f"bucket{i}.{k}", v) if stage is not None else v) for k, v in st.items()}
             lo = b.shard_start
             for e in b.entries:
                 a, z = max(lo, e.offset), min(lo + b.shard_size, e.offset + e.numel)

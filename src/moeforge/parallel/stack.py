@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config
 from moeforge.model.params import EXPERT, NO_DECAY, named_parameter_roles
-from moeforge.parallel.flat_shards import snapshot
+from moeforge.parallel.flat_shards import Stage
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -123,8 +123,8 @@ class TrainingStack:
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
 
-    def optimizer_state_dict(self, copy: bool = False) -> dict[str, Tensor]:
-        """The optimizer state in the canonical checkpoint keys; views of the live state unless ``copy``.
+    def optimizer_state_dict(self, stage: Stage | None = None) -> dict[str, Tensor]:
+        """The optimizer state in the canonical checkpoint keys; views of the live state, or ``stage``'s copies.
 
         DCP loads into these tensors in place; finish with :meth:`load_optimizer_state_dict`.
         """
@@ -135,7 +135,8 @@ class TrainingStack:
             for p in group["params"]:
                 for k in ("step", "exp_avg", "exp_avg_sq"):
                     v = self.optimizer.state[p][k]
-                    out[f"{names[id(p)]}.{k}"] = snapshot(v) if copy else v
+                    key = f"{names[id(p)]}.{k}"
+                    out[key] = stage(key, v) if stage is not None else v
         return out
 
     def load_optimizer_state_dict(self, loaded: dict[str, Tensor]) -> None:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moeforge.errors import USAGE, FollowerError, find_oserror, storage_error
-from moeforge.parallel.flat_shards import quiet_sharded_tensor, snapshot
+from moeforge.parallel.flat_shards import SnapshotBuffers, Stage, quiet_sharded_tensor
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.stack import TrainingStack
 from moeforge.train.checkpoint_policy import ResumeRefusedError, quarantine, resume_refused_message, state_bytes
@@ -58,6 +58,7 @@ from moeforge.train.checkpoint_store import (
     step_name,
     tmp_dir,
     verify_checkpoint,
+    without_record_crc32,
 )
 from moeforge.train.collective import rank0_decides
 
@@ -80,9 +81,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def optimizer_entries(stack: TrainingStack, copy: bool = False) -> dict[str, Tensor]:
-    """The stack's optimizer state under the checkpoint's ``optim.`` keys."""
-    return {OPTIM + k: v for k, v in stack.optimizer_state_dict(copy=copy).items()}
+def optimizer_entries(stack: TrainingStack, stage: Stage | None = None) -> dict[str, Tensor]:
+    """The stack's optimizer state under the checkpoint's ``optim.`` keys (``stage``'s copies when given)."""
+    prefixed = None if stage is None else (lambda key, t: stage(OPTIM + key, t))
+    return {OPTIM + k: v for k, v in stack.optimizer_state_dict(prefixed).items()}
 
 
 @dataclass
@@ -149,6 +151,7 @@ class CheckpointManager:
         async_save: bool = False,
         device: torch.device | None = None,
         mesh: MoEMesh | None = None,
+        reuse_buffers: bool = True,
     ) -> None:
         self.mesh = mesh or MoEMesh()
         self.distributed = self.mesh.distributed
@@ -161,6 +164,8 @@ class CheckpointManager:
         self._pending: Future[SaveStats] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._group = None
+        # async: the CPU copies the background write reads (kept between saves with reuse_buffers)
+        self._staging = SnapshotBuffers(reuse=reuse_buffers) if async_save else None
         if async_save:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeforge-ckpt")
             if self.distributed:
@@ -179,10 +184,12 @@ class CheckpointManager:
         """Checkpoint ``step``; returns after the snapshot (async) or the publication (sync)."""
         self.wait()
         t0 = time.perf_counter()
-        copy = self.async_save
-        state: dict[str, Any] = {k: (snapshot(v) if copy else v) for k, v in model_state(model).items()}
+        stage = self._staging
+        state: dict[str, Any] = {k: (stage(k, v) if stage is not None else v) for k, v in model_state(model).items()}
         if stack is not None:
-            state.update(optimizer_entries(stack, copy=copy))
+            state.update(optimizer_entries(stack, stage))
+        if stage is not None:
+            stage.ready()
         state.update(flatten_counters(trainer_state))
         state.update(rng_state(self.rank, model))
         manifest = {"world_size": self.mesh.world_size, "trainer_state": trainer_state}
@@ -213,7 +220,7 @@ class CheckpointManager:
                 tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
             )
             phase("staged")
-            with quiet_sharded_tensor():
+            with quiet_sharded_tensor(), without_record_crc32():
                 dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not self.distributed)
             # rank 0 publishes; the others learn of a failure there instead of waiting in the barrier
             final = rank0_decides(
@@ -257,6 +264,11 @@ class CheckpointManager:
             return None
         pending, self._pending = self._pending, None
         return pending.result()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the async snapshot kept between saves (0 for sync saves or without reuse)."""
+        return self._staging.nbytes if self._staging is not None else 0
 
     def close(self) -> None:
         """Wait for the save in flight and stop the background thread."""

@@ -30,10 +30,13 @@ import os
 import pickle
 import shutil
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.utils.serialization
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
@@ -126,6 +129,26 @@ def _write_durable(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+@contextmanager
+def without_record_crc32() -> Iterator[None]:
+    """Let ``torch.save`` skip the CRC32 of each zip record it writes (DCP saves every tensor with it).
+
+    Computing those checksums is a third of DCP's write on a CPU without a
+    fast CRC (docs/benchmarks.md), and they protect nothing the manifest does
+    not: its CRC32 covers every byte of every file, and resuming checks it.
+    ``torch.load`` reads the records without them. The setting is process-wide
+    (torch has no per-call switch): a ``torch.save`` elsewhere in the process
+    while a save runs also skips them, and its file still loads.
+    """
+    cfg = torch.utils.serialization.config.save
+    before = cfg.compute_crc32
+    cfg.compute_crc32 = False
+    try:
+        yield
+    finally:
+        cfg.compute_crc32 = before
 
 
 def file_crc32(path: Path, chunk: int = 1 << 22) -> int:

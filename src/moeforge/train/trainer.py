@@ -120,8 +120,9 @@ class Trainer:
         self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
         self.autocast_dtype = None if cfg.train.precision == "fp32" else torch.bfloat16  # lowp: the rest in bf16
         # creating the manager is collective (async save makes its own group): every rank, same point
+        t = cfg.train
         self.checkpointer = CheckpointManager(
-            self.run_dir, cfg.train.keep_last, cfg.train.async_save, self.device, mesh=self.mesh
+            self.run_dir, t.keep_last, t.async_save, self.device, self.mesh, t.async_save_reuse_buffers
         )
 
     # ------------------------------------------------------------------ steps
