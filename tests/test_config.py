@@ -34,6 +34,7 @@ def test_list_override() -> None:
         ("--parallel.pp=0", "parallel.pp"),
         ("--model.moe.n_groups=3", "model.moe.n_groups"),
         ("--model.dense_layers=[99]", "model.dense_layers"),
+        ("--train.async_save_overlap=true", "train.async_save_overlap"),
         ("--model.moe", "model.moe"),
         ("oops", "oops"),
     ],

@@ -90,3 +90,16 @@ def test_init_is_seeded() -> None:
     c = build_model(tiny_cfg().model, seed=8).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["layers.0.mlp.experts.w1"], c["layers.0.mlp.experts.w1"])
+
+
+def test_logit_softcap_bounds_the_logits_smoothly() -> None:
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = build_model(tiny_cfg(init_std=0.5).model, seed=3)  # large logits, so the cap bites
+    capped = build_model(tiny_cfg(init_std=0.5, logit_softcap=2.0).model, seed=3)
+    raw = plain(ids)
+    assert raw.abs().max() > 2.0
+    out = capped(ids)
+    torch.testing.assert_close(out, 2.0 * torch.tanh(raw / 2.0))
+    assert out.abs().max() < 2.0
+    out.sum().backward()  # gradients flow through the cap
+    assert capped.lm_head.weight.grad is not None and capped.lm_head.weight.grad.abs().sum() > 0

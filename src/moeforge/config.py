@@ -64,6 +64,7 @@ class ModelConfig:
     dense_hidden: int = 1024  # hidden width of the dense layers' SwiGLU
     max_seq_len: int = 4096  # longest sequence: data.seq_len must fit, generation stops here
     init_std: float = 0.02  # std of the normal init; output projections get init_std / sqrt(2 * n_layers)
+    logit_softcap: float = 0.0  # > 0: logits = c * tanh(logits / c), as in Gemma 2; 0: off
     moe: MoEConfig = field(default_factory=MoEConfig)  # the MoE feed-forward (section model.moe)
 
     @property
@@ -127,6 +128,7 @@ class TrainConfig:
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     resume: Literal["auto", "never", "require"] = "auto"  # when checkpoints exist (docs/checkpoints.md)
     async_save: bool = False  # snapshot to CPU, write the checkpoint in a background thread
+    async_save_overlap: bool = False  # async_save: copy during the next forward/backward (waits before its update)
     async_save_reuse_buffers: bool = True  # async_save: keep the CPU snapshot between saves (no allocation after one)
     debug_kill_at_step: int = 0  # TEST ONLY: SIGKILL the last rank at its first save at/after this step, once
     eval_every: int = 0  # 0: only at the end

@@ -83,6 +83,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     for i in m.dense_layers:
         _check(0 <= i < m.n_layers, "model.dense_layers", f"layer {i} is outside 0..{m.n_layers - 1}")
     _check(m.init_std > 0, "model.init_std", "must be > 0")
+    _check(m.logit_softcap >= 0, "model.logit_softcap", f"must be >= 0 (0: off), got {m.logit_softcap}")
     _check(moe.num_experts >= 1, "model.moe.num_experts", f"must be >= 1, got {moe.num_experts}")
     _check(moe.top_k >= 1, "model.moe.top_k", f"must be >= 1, got {moe.top_k}")
     _check(
@@ -175,6 +176,11 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     for name in ("save_every", "eval_every", "eval_batches", "log_every", "sample_tokens", "debug_kill_at_step"):
         _check(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")
     _check(t.keep_last >= 1, "train.keep_last", "must be >= 1")
+    _check(
+        t.async_save or not t.async_save_overlap,
+        "train.async_save_overlap",
+        "overlaps the snapshot of an async save: set train.async_save=true as well, or leave it false",
+    )
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
 
     p = cfg.parallel

@@ -120,25 +120,32 @@ def timed(fn: Any, trainer: Trainer) -> float:
     return time.perf_counter() - t0
 
 
-def time_checkpoint(trainer: Trainer, repeats: int = 1) -> dict[str, Any]:
-    """Save the current state ``repeats`` times and load it back; medians of seconds blocked, until published, raw.
+def time_checkpoint(trainer: Trainer, repeats: int = 1, next_step: Any = None) -> dict[str, Any]:
+    """Save the state ``repeats`` times, then load it back; medians of seconds blocked, until published, raw.
 
-    Any earlier background save is joined first, so ``blocking_s`` is only what
-    a save makes the training loop wait for: the CPU snapshot with
-    ``train.async_save``, the whole write without. Each save (of the same step:
-    a re-save replaces the published directory) is followed by a raw
-    ``write`` + ``fsync`` of the same bytes to the same directory, so every
-    save has its own disk reference; the first save is reported apart too (an
-    async save allocates its CPU snapshot there, later ones reuse it).
+    Any earlier background save is joined first. ``blocking_s`` is what a save
+    makes the training loop wait for (the slowest rank's): the whole write
+    when synchronous, the CPU snapshot with ``train.async_save``, the launch
+    plus the wait before the next optimizer step with
+    ``train.async_save_overlap``. ``next_step`` (a callable running one
+    training step) runs right after each save, so an overlapped copy and every
+    background write share the machine with real work; its seconds are
+    returned as ``next_step_s`` (compare them with a step without a save).
+    Each save is followed by a raw ``write`` + ``fsync`` of its bytes to the
+    same directory (every save has its own disk reference); the first save is
+    reported apart too (an async save allocates its CPU snapshot there).
     """
     manager = trainer.checkpointer
     timed(manager.wait, trainer)
-    save = lambda: manager.save(trainer.step, trainer.model, trainer.stack, trainer.trainer_state())  # noqa: E731
-    path = checkpoints_dir(trainer.run_dir) / step_name(trainer.step)
-    blocking, total, raw, nbytes = [], [], [], 0
+    blocking, total, raw, steps, nbytes = [], [], [], [], 0
     for _ in range(max(1, repeats)):
-        blocking.append(timed(save, trainer))
-        total.append(blocking[-1] + timed(manager.wait, trainer))
+        stats = manager.save(trainer.step, trainer.model, trainer.stack, trainer.trainer_state())
+        steps.append(timed(next_step, trainer) if next_step is not None else float("nan"))
+        timed(manager.wait, trainer)  # the fence, if not passed yet, counts into stats.blocking_s
+        slowest = per_rank([stats.blocking_s, stats.total_s], trainer)
+        blocking.append(max(r[0] for r in slowest))
+        total.append(max(r[1] for r in slowest))
+        path = checkpoints_dir(trainer.run_dir) / step_name(stats.step)
         nbytes = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if trainer.is_main else 0
         raw.append(disk_write_probe(path.parent, nbytes) if trainer.is_main and nbytes else float("nan"))
         barrier(trainer.mesh)
@@ -157,6 +164,7 @@ def time_checkpoint(trainer: Trainer, repeats: int = 1) -> dict[str, Any]:
         # the save's bandwidth as a fraction of the disk's raw sequential write+fsync of the same bytes
         "save_fraction_of_raw": statistics.median(ratio(r, t) for r, t in zip(raw, total)),
         "blocking_fraction_of_save": statistics.median(ratio(b, t) for b, t in zip(blocking, total)),
+        "next_step_s": statistics.median(steps) if next_step is not None else None,
         "blocking_s_all": blocking,
         "total_s_all": total,
         "raw_write_s_all": raw,

@@ -24,11 +24,13 @@ under ``torchrun``; rank 0 writes ``D/result.json``. What one run does, in order
    Energy over the timed steps (:mod:`moeforge.bench.energy`: NVML per GPU, RAPL per CPU package)
    goes into ``energy`` (joules per token, average power), null with the reason where unreadable.
 6. Saves a checkpoint with the trainer's checkpoint manager ``--ckpt-repeats``
-   times (each followed by a raw write + fsync of the same bytes; medians
-   reported) and loads it with ``trainer.maybe_resume()``. The save's *blocking* time is what the training
-   loop waits for (with ``train.async_save``: the CPU snapshot only, the
-   slowest rank's), measured after any earlier save has been joined; its total
-   time runs until the checkpoint is published.
+   times, each followed by one training step (run while an async save is in
+   flight) and a raw write + fsync of the same bytes (medians reported), and
+   loads it with ``trainer.maybe_resume()``. The save's *blocking* time is
+   what the training loop waits for (the slowest rank's): the whole save when
+   synchronous, the CPU snapshot with ``train.async_save``, the launch plus
+   the wait before the next optimizer step with ``train.async_save_overlap``;
+   its total time runs until the checkpoint is published.
 """
 
 from __future__ import annotations
@@ -225,7 +227,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     save_s = save_blocking_s = load_s = ckpt_bytes = None
     ckpt_disk: dict[str, Any] = {}
     if args.checkpoint:
-        ckpt = time_checkpoint(trainer, args.ckpt_repeats)
+        step_with_save = lambda: trainer.run_step(batches[args.warmup])  # noqa: E731  (a batch seen before)
+        ckpt = time_checkpoint(trainer, args.ckpt_repeats, step_with_save)
         save_blocking_s, save_s, load_s = ckpt["blocking_s"], ckpt["total_s"], ckpt["load_s"]
         ckpt_bytes = int(ckpt["bytes"]) if trainer.is_main else None
         ckpt_disk = {k: v for k, v in ckpt.items() if k not in ("blocking_s", "total_s", "load_s", "bytes")}
@@ -330,6 +333,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "ckpt_save_s_all": ckpt_disk.get("total_s_all"),
         "ckpt_save_blocking_s_all": ckpt_disk.get("blocking_s_all"),
         "ckpt_raw_write_s_all": ckpt_disk.get("raw_write_s_all"),
+        # the training step run while each save was in flight (async) or right after it (sync), median
+        "ckpt_next_step_s": ckpt_disk.get("next_step_s"),
         "expert_load_max_over_mean": worst("expert_imbalance"),
         "ep_rank_load_max_over_mean": worst("rank_imbalance"),
         # every MoE layer routes the same N * k routes, so the mean over layers is the overall fraction

@@ -197,6 +197,8 @@ def _check_exportable(cfg: ModelConfig, flavor: str) -> None:
         raise bad("model.moe.n_groups", moe.n_groups, "group-limited routing has no Hugging Face field here")
     if moe.random_routing:
         raise bad("model.moe.random_routing", True, "set it to false")
+    if cfg.logit_softcap:
+        raise bad("model.logit_softcap", cfg.logit_softcap, "these Hugging Face models do not cap logits: set it to 0")
     if flavor == "qwen2_moe":
         if not (moe.shared_expert_hidden and moe.shared_expert_gate):
             raise bad(

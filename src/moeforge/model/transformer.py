@@ -63,7 +63,11 @@ class MoETransformer(nn.Module):
             h = block(h, cos, sin, cache)
         if self.norm is not None:
             h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+        if self.lm_head is None:
+            return h
+        logits = self.lm_head(h)
+        cap = self.cfg.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
     def blocks(self) -> list[Block]:
         """The blocks this module holds, in layer order.

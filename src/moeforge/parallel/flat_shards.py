@@ -163,12 +163,18 @@ class SnapshotBuffers:
     stage again while a write still reads the buffers (the checkpoint manager
     joins the previous save first). Call :meth:`ready` after the last
     ``stage`` of a save: it waits for the device-to-host copies.
+
+    With ``defer`` a ``stage`` call only returns the (allocated) buffer and
+    :meth:`ready` does the copies, so the caller can build the state dict
+    around the buffers on its own thread and let another thread copy.
     """
 
-    def __init__(self, reuse: bool = True) -> None:
+    def __init__(self, reuse: bool = True, defer: bool = False) -> None:
         self.reuse = reuse
+        self.defer = defer
+        self._pending: list[tuple[Tensor, Tensor]] = []  # (buffer, source) copies ready() still has to make
         self._buffers: dict[str, Tensor] = {}
-        self._device_copies = False
+        self._devices: set[torch.device] = set()  # GPUs with copies in flight
 
     def __call__(self, key: str, t: Tensor) -> Tensor:
         if isinstance(t, DTensor):
@@ -183,15 +189,25 @@ class SnapshotBuffers:
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             if self.reuse:
                 self._buffers[key] = buf
-        buf.copy_(src, non_blocking=src.device.type == "cuda")
-        self._device_copies |= src.device.type == "cuda"
+        if self.defer:
+            self._pending.append((buf, src))
+        else:
+            self._copy(buf, src)
         return buf
 
+    def _copy(self, buf: Tensor, src: Tensor) -> None:
+        buf.copy_(src, non_blocking=src.device.type == "cuda")
+        if src.device.type == "cuda":
+            self._devices.add(src.device)
+
     def ready(self) -> None:
-        """Wait until every copy staged so far has landed in host memory."""
-        if self._device_copies:
-            torch.cuda.synchronize()
-            self._device_copies = False
+        """Make the deferred copies, then wait until every copy has landed in host memory (from any thread)."""
+        pending, self._pending = self._pending, []
+        for buf, src in pending:
+            self._copy(buf, src)
+        for device in self._devices:
+            torch.cuda.synchronize(device)
+        self._devices.clear()
 
     @property
     def nbytes(self) -> int:

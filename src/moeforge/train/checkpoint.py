@@ -3,10 +3,14 @@
 :class:`CheckpointManager` writes the canonical state of
 :mod:`moeforge.train.checkpoint_state` with DCP into a temporary directory and
 publishes it with the protocol of :mod:`moeforge.train.checkpoint_store`.
-With ``async_save`` the blocking part is a CPU snapshot of the state; a
-background thread runs DCP (over its own gloo process group, so it never
-interleaves with training collectives) and the publication, and the next save
-or :meth:`CheckpointManager.wait` joins it. Resuming picks the newest complete
+With ``async_save`` the blocking part is a CPU snapshot of the state (into
+buffers kept from one save to the next); a background thread runs DCP (over
+its own gloo process group, so it never interleaves with training
+collectives) and the publication, and the next save or
+:meth:`CheckpointManager.wait` joins it. With ``overlap`` the snapshot is
+taken by that thread too, while the next step's forward and backward run;
+:meth:`CheckpointManager.fence` (called by the trainer before the optimizer
+step) waits for it. Resuming picks the newest complete
 checkpoint that verifies and loads on every rank; rank 0 decides and
 broadcasts, so all ranks load the same one. See docs/checkpoints.md.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,34 +32,33 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moeforge.config import TrainConfig
 from moeforge.errors import USAGE, FollowerError, find_oserror, storage_error
-from moeforge.parallel.flat_shards import SnapshotBuffers, Stage, quiet_sharded_tensor
+from moeforge.parallel.flat_shards import SnapshotBuffers, quiet_sharded_tensor
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.stack import TrainingStack
+from moeforge.train.checkpoint_load import (
+    load_checkpoint_into,
+    load_full_state_dict,
+    load_model_state,
+    optimizer_entries,
+)
 from moeforge.train.checkpoint_policy import ResumeRefusedError, quarantine, resume_refused_message, state_bytes
 from moeforge.train.checkpoint_state import (
-    MODEL,
-    OPTIM,
-    check_model_keys,
     flatten_counters,
-    logical_shape,
     model_state,
     rng_state,
-    set_rng_state,
-    unflatten_counters,
 )
 from moeforge.train.checkpoint_store import (
     COMPLETE,
     CheckpointError,
     CheckpointMismatchError,
-    SafeFileSystemReader,
     checkpoints_dir,
     clean_stale,
     complete_checkpoints,
     phase,
     publish,
     read_manifest,
-    read_metadata,
     step_name,
     tmp_dir,
     verify_checkpoint,
@@ -81,12 +85,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def optimizer_entries(stack: TrainingStack, stage: Stage | None = None) -> dict[str, Tensor]:
-    """The stack's optimizer state under the checkpoint's ``optim.`` keys (``stage``'s copies when given)."""
-    prefixed = None if stage is None else (lambda key, t: stage(OPTIM + key, t))
-    return {OPTIM + k: v for k, v in stack.optimizer_state_dict(prefixed).items()}
-
-
 @dataclass
 class SaveStats:
     """What one save cost: seconds training was blocked, seconds until published, bytes written."""
@@ -95,50 +93,6 @@ class SaveStats:
     blocking_s: float
     total_s: float = float("nan")
     bytes: int = 0
-
-
-def load_checkpoint_into(
-    path: Path,
-    model: nn.Module,
-    stack: TrainingStack | None,
-    template: dict[str, Any],
-    mesh: MoEMesh | None = None,
-) -> dict[str, Any]:
-    """Load ``path`` into the live model and the stack's optimizer (every rank of ``mesh``).
-
-    Returns the trainer state shaped like ``template``.
-
-    The optimizer starts fresh when the checkpoint has no optimizer state (one
-    converted from Hugging Face); RNG states are restored for ranks the
-    checkpoint has. Raises :class:`CheckpointMismatchError` listing every key
-    and shape that does not fit the model.
-    """
-    saved = read_metadata(path).state_dict_metadata
-    entries = model_state(model)
-    mesh = mesh or MoEMesh()
-    check_model_keys(entries, saved, f"checkpoint {path}", partial=mesh.pp > 1)
-    state: dict[str, Any] = dict(entries)
-    optim: dict[str, Tensor] = {}
-    if stack is not None and any(k.startswith(OPTIM) for k in saved):
-        optim = {k: v for k, v in optimizer_entries(stack).items() if k in saved or not k.endswith(".master")}
-        bad = sorted(k for k, v in optim.items() if k not in saved or tuple(saved[k].size) != logical_shape(v))
-        if bad:
-            raise CheckpointMismatchError(f"checkpoint {path}: optimizer state lacks or misshapes {bad[:8]}")
-        state.update(optim)
-    elif stack is not None:
-        log.info("checkpoint %s has no optimizer state; the optimizer starts fresh", path)
-    counters = {k: v for k, v in flatten_counters(template).items() if k in saved}
-    rng = {
-        k: v for k, v in rng_state(mesh.rank, model).items() if k in saved and tuple(saved[k].size) == tuple(v.shape)
-    }
-    state.update(counters)
-    state.update(rng)
-    with quiet_sharded_tensor():
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not mesh.distributed)
-    if stack is not None:
-        stack.load_optimizer_state_dict({k[len(OPTIM) :]: v for k, v in optim.items()})
-    set_rng_state(rng, model)
-    return unflatten_counters(template, counters)
 
 
 class CheckpointManager:
@@ -152,6 +106,7 @@ class CheckpointManager:
         device: torch.device | None = None,
         mesh: MoEMesh | None = None,
         reuse_buffers: bool = True,
+        overlap: bool = False,
     ) -> None:
         self.mesh = mesh or MoEMesh()
         self.distributed = self.mesh.distributed
@@ -165,7 +120,10 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._group = None
         # async: the CPU copies the background write reads (kept between saves with reuse_buffers)
-        self._staging = SnapshotBuffers(reuse=reuse_buffers) if async_save else None
+        self.overlap = overlap and async_save  # copy in the background too; the caller calls fence()
+        self._staging = SnapshotBuffers(reuse=reuse_buffers, defer=self.overlap) if async_save else None
+        self._staged: threading.Event | None = None  # set once the overlapped copy of the save in flight is done
+        self._pending_stats: SaveStats | None = None
         if async_save:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeforge-ckpt")
             if self.distributed:
@@ -176,41 +134,104 @@ class CheckpointManager:
             dist.barrier()
         self.last_save: SaveStats | None = None
 
+    @classmethod
+    def from_config(
+        cls, run_dir: str | Path, train: TrainConfig, device: torch.device, mesh: MoEMesh
+    ) -> CheckpointManager:
+        """The manager of ``train.*``'s checkpoint fields (creating it is collective: every rank, same point)."""
+        return cls(
+            run_dir,
+            train.keep_last,
+            train.async_save,
+            device,
+            mesh,
+            reuse_buffers=train.async_save_reuse_buffers,
+            overlap=train.async_save_overlap,
+        )
+
     # ------------------------------------------------------------------ save
 
     def save(
         self, step: int, model: nn.Module, stack: TrainingStack | None, trainer_state: dict[str, Any]
     ) -> SaveStats:
-        """Checkpoint ``step``; returns after the snapshot (async) or the publication (sync)."""
+        """Checkpoint ``step``; returns after the snapshot (async), at once (async overlapped), or when published.
+
+        With ``overlap`` the background thread copies the weights and the
+        optimizer state while the caller goes on; the caller must call
+        :meth:`fence` before anything changes them (the trainer does, before
+        its next optimizer step). Counters and RNG states are taken here.
+        """
         self.wait()
         t0 = time.perf_counter()
-        stage = self._staging
-        state: dict[str, Any] = {k: (stage(k, v) if stage is not None else v) for k, v in model_state(model).items()}
-        if stack is not None:
-            state.update(optimizer_entries(stack, stage))
-        if stage is not None:
-            stage.ready()
-        state.update(flatten_counters(trainer_state))
-        state.update(rng_state(self.rank, model))
+        small = {**flatten_counters(trainer_state), **rng_state(self.rank, model)}
         manifest = {"world_size": self.mesh.world_size, "trainer_state": trainer_state}
         tmp = tmp_dir(self.root, step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
-        if self._executor is not None:
-            stats = SaveStats(step, blocking_s=time.perf_counter() - t0)
-            self._pending = self._executor.submit(self._write, tmp, state, step, manifest, t0, stats)
-            log.info(
-                "checkpoint %s: training blocked %.3fs (snapshot); writing in the background",
-                step_name(step),
-                stats.blocking_s,
-            )
+        # on this thread: state_dict() and the parameter names are not safe to take while a forward runs (FSDP2
+        # swaps the registered parameters); with overlap the buffers are returned here and filled by the thread
+        state = self._collect(model, stack, small)
+        if self._executor is None:
+            stats = SaveStats(step, blocking_s=float("nan"))
+            self._write(tmp, state, step, manifest, t0, stats)
+            stats.blocking_s = stats.total_s
             return stats
-        stats = SaveStats(step, blocking_s=float("nan"))
-        self._write(tmp, state, step, manifest, t0, stats)
-        stats.blocking_s = stats.total_s
+        stats = SaveStats(step, blocking_s=0.0)
+        if self.overlap:
+            self._staged = threading.Event()
+            job = self._executor.submit(self._stage_then_write, self._staged, tmp, state, step, manifest, t0, stats)
+        else:
+            job = self._executor.submit(self._write, tmp, state, step, manifest, t0, stats)
+        self._pending, self._pending_stats = job, stats
+        stats.blocking_s = time.perf_counter() - t0
+        what = "copying and writing" if self.overlap else "snapshot taken; writing"
+        log.info("checkpoint %s: training blocked %.3fs; %s in the background", step_name(step), stats.blocking_s, what)
         return stats
+
+    def _collect(self, model: nn.Module, stack: TrainingStack | None, small: dict[str, Tensor]) -> dict[str, Any]:
+        """The state to save: views of the live tensors (sync) or their CPU copies (async), then ``small``."""
+        stage = self._staging
+        state: dict[str, Any] = {k: (stage(k, v) if stage is not None else v) for k, v in model_state(model).items()}
+        if stack is not None:
+            state.update(optimizer_entries(stack, stage))
+        if stage is not None and not self.overlap:
+            stage.ready()
+        state.update(small)
+        return state
+
+    def _stage_then_write(
+        self,
+        staged: threading.Event,
+        tmp: Path,
+        state: dict[str, Any],
+        step: int,
+        manifest: dict[str, Any],
+        t0: float,
+        stats: SaveStats,
+    ) -> SaveStats:
+        try:
+            self._staging.ready()  # type: ignore[union-attr]  (the deferred copies into the buffers of state)
+        finally:
+            staged.set()  # the weights may change now (an error surfaces at wait)
+        return self._write(tmp, state, step, manifest, t0, stats)
+
+    def fence(self) -> float:
+        """Wait until the save in flight has copied the state (overlapped async saves); seconds waited.
+
+        Call before the weights or the optimizer state change. The wait counts
+        as blocking time of that save. Free when nothing is being copied.
+        """
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return 0.0
+        t0 = time.perf_counter()
+        staged.wait()
+        waited = time.perf_counter() - t0
+        if self._pending_stats is not None:
+            self._pending_stats.blocking_s += waited
+        return waited
 
     def _write(
         self, tmp: Path, state: dict[str, Any], step: int, manifest: dict[str, Any], t0: float, stats: SaveStats
@@ -260,6 +281,7 @@ class CheckpointManager:
 
     def wait(self) -> SaveStats | None:
         """Join the save in flight (re-raising its error); returns its stats."""
+        self.fence()
         if self._pending is None:
             return None
         pending, self._pending = self._pending, None
@@ -360,31 +382,6 @@ class CheckpointManager:
                     error or "failed on another rank",
                 )
                 rejected[path.name] = f"{path}: {error or 'failed to load on another rank'}"
-
-
-# ------------------------------------------------------------- single process
-
-
-def load_model_state(path: str | Path) -> dict[str, Tensor]:
-    """Full model tensors of a checkpoint directory, read in this process alone (no process group)."""
-    path = Path(path)
-    verify_checkpoint(path, checksums=False)
-    saved = read_metadata(path).state_dict_metadata
-    state = {
-        k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items() if k.startswith(MODEL)
-    }
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
-    return {k[len(MODEL) :]: v for k, v in state.items()}
-
-
-def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
-    """Copy full tensors into ``model`` (DTensor parameters get their shard); one error lists every mismatch."""
-    from moeforge.interop.safetensors_io import load_state_checked
-
-    try:
-        load_state_checked(model, state, "checkpoint")
-    except ValueError as e:
-        raise CheckpointMismatchError(str(e)) from e
 
 
 def write_model_checkpoint(

@@ -120,10 +120,7 @@ class Trainer:
         self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
         self.autocast_dtype = None if cfg.train.precision == "fp32" else torch.bfloat16  # lowp: the rest in bf16
         # creating the manager is collective (async save makes its own group): every rank, same point
-        t = cfg.train
-        self.checkpointer = CheckpointManager(
-            self.run_dir, t.keep_last, t.async_save, self.device, self.mesh, t.async_save_reuse_buffers
-        )
+        self.checkpointer = CheckpointManager.from_config(self.run_dir, cfg.train, self.device, self.mesh)
 
     # ------------------------------------------------------------------ steps
 
@@ -169,6 +166,7 @@ class Trainer:
     def _finish_step(self, sums: Tensor, load_rows: Tensor, n_micro: int) -> StepResult:
         """Gradient sync, global norm and clip, the step's one collective, the guarded step, router biases."""
         model, stack, cfg, mesh = self.model, self.stack, self.cfg, self.mesh
+        self.checkpointer.fence()  # an overlapped async save may still be copying the weights and moments
         stack.finish_grad_sync()
         grad_norm = stack.clip_grad_norm_(cfg.optim.grad_clip)
         # The step's one collective: losses and every layer's load, summed over all ranks (all stages).
