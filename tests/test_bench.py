@@ -242,3 +242,4 @@ def test_recorded_command_keeps_the_skip_flags() -> None:
     assert cmd.startswith("moeforge bench --compare overlap --nproc 2") and cmd.endswith("--train.seed=1")
     assert "--no-profile" in cmd and "--no-checkpoint" in cmd and "--no-plots" not in cmd
     assert "--no-" not in command_line(parser.parse_args(["--out", "o"]), [])
+    assert "--ckpt-repeats 5" in command_line(parser.parse_args(["--out", "o", "--ckpt-repeats", "5"]), [])

@@ -187,6 +187,7 @@ def command_line(args: argparse.Namespace, extra: list[str]) -> str:
     parts += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(args.out)]
     flags = {"--no-profile": args.profile, "--no-checkpoint": args.checkpoint, "--no-plots": args.plots}
     parts += [flag for flag, on in flags.items() if not on]
+    parts += ["--ckpt-repeats", str(args.ckpt_repeats)] if args.checkpoint and args.ckpt_repeats != 3 else []
     return " ".join(shlex.quote(p) for p in [*parts, *extra])
 
 
