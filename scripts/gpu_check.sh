@@ -4,7 +4,10 @@
 # 1. the CUDA-capable test subset: pytest -m cuda --device cuda (tests/test_device.py);
 # 2. python -m moeforge.bench.cuda_check: the rowwise dispatcher under
 #    torch.cuda.set_sync_debug_mode("error"), the MoE layer and the full training step against
-#    Hugging Face's Qwen3-MoE in bf16, MFU against the datasheet peak.
+#    Hugging Face's Qwen3-MoE in bf16, MFU against the datasheet peak;
+# 3. the articles' expert-scaling experiment on the GPU: moeforge bench --sweep num_experts=8,32,128
+#    on configs/bench/experts_gpu.yaml (bf16, top-4, same active parameters), with random routing
+#    (equal work per expert: the per-expert overheads alone) and then with the learned router.
 # It uses the first python that imports torch with CUDA: $PYTHON if set, then python3 (the GPU
 # machine's /opt/torch/.venv), then this checkout's .venv. Where none sees a GPU it prints one line
 # and exits 0. Paste what it prints into docs/benchmarks.md with the date and the commit.
@@ -32,7 +35,14 @@ echo "gpu_check: $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/n
 "$py" -c "import torch, transformers; print('gpu_check: torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'device', torch.cuda.get_device_name(0))"
 status=0
-timeout 240 "$py" -m pytest -q -p no:cacheprovider -m cuda --device cuda tests/test_device.py 2>&1 | tail -25 || status=1
-timeout 240 "$py" -m moeforge.bench.cuda_check --out "$out" 2> "$out/cuda_check.log" || status=1
+timeout 150 "$py" -m pytest -q -p no:cacheprovider -m cuda --device cuda tests/test_device.py 2>&1 | tail -25 || status=1
+timeout 180 "$py" -m moeforge.bench.cuda_check --out "$out" 2> "$out/cuda_check.log" || status=1
+sweep=(-m moeforge.cli bench configs/bench/experts_gpu.yaml --sweep num_experts=8,32,128 --nproc 1
+  --warmup 3 --steps 10 --no-checkpoint --no-profile --no-plots --timeout 100)
+for routing in random learned; do
+  extra=(); [ "$routing" = random ] && extra=(--random-routing)
+  timeout 150 "$py" "${sweep[@]}" "${extra[@]}" --out "$out/experts_$routing" 2>> "$out/experts.log" \
+    | grep -E '^\| E=.*x \|$|^\*\*' | sed "s/^/gpu_check: experts ($routing routing) /" || status=1
+done
 echo "gpu_check: done (exit $status); log $out/cuda_check.log"
 exit $status
