@@ -106,6 +106,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine and wsd)
     decay_fraction: float = 0.2  # wsd: final fraction of steps spent decaying
     expert_lr_scale: float = 1.0  # routed experts' lr is lr * this (1.0: the same lr as every other weight)
+    implementation: Literal["auto", "foreach", "fused"] = "auto"  # AdamW kernels; auto: fused on CUDA, else foreach
 
 
 @dataclass

@@ -9,7 +9,7 @@ from moeforge.parallel.flat_shards import Stage
 from moeforge.parallel.grad_buckets import GradReducer
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.optimizer import DistributedOptimizer
-from moeforge.parallel.stack import DTYPES, TrainingStack, optim_param_groups, scale_initial_lr
+from moeforge.parallel.stack import DTYPES, TrainingStack, optim_param_groups, scale_initial_lr, use_fused_adamw
 
 
 class DDPStack(TrainingStack):
@@ -40,6 +40,7 @@ class DDPStack(TrainingStack):
             norm_group=mesh.world_group,  # every stage's shards: the global norm
             rank=mesh.rank,
             distributed=mesh.distributed,
+            fused=use_fused_adamw(o.implementation, next(model.parameters()).device),
         )
 
     def set_grad_sync(self, enabled: bool) -> None:

@@ -56,9 +56,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         norm_group: dist.ProcessGroup | None = None,
         rank: int = 0,
         distributed: bool = True,
+        fused: bool = False,
     ) -> None:
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.reducer = reducer
+        self.fused = fused  # torch's fused AdamW kernel (one pass over the state) instead of the foreach ops
+        self._step_tensor: Tensor | None = None  # the step count the fused kernel reads, on the shards' device
         self.norm_group = norm_group
         self.rank = rank  # this process's global rank (0 for a single process)
         self.distributed = distributed  # False: one process, no process group (plain tensors in state dicts)
@@ -146,9 +149,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._all_gather_params()
 
     def _adamw(self, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list) -> None:
-        """torch's multi-tensor AdamW (non-capturable) on shard segments."""
+        """torch's multi-tensor AdamW (non-capturable) on shard segments, or its fused kernel."""
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         beta1, beta2 = group["betas"]
+        if self.fused:
+            if self._step_tensor is None or self._step_tensor.device != params[0].device:
+                self._step_tensor = torch.zeros((), dtype=torch.float32, device=params[0].device)
+            self._step_tensor.fill_(self.step_count)  # the kernel reads it (one tensor for every segment)
+            steps = [self._step_tensor] * len(params)
+            torch._fused_adamw_(
+                params, grads, exp_avgs, exp_avg_sqs, [], steps,
+                lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
+            return
         if wd != 0:
             torch._foreach_mul_(params, 1 - lr * wd)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
