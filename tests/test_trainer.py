@@ -33,14 +33,17 @@ def test_loss_falls_and_metrics_are_written(tmp_path: Path) -> None:
     assert (Path(cfg.train.run_dir) / "config.yaml").is_file()
 
 
-def test_exact_resume(tmp_path: Path) -> None:
-    straight = tiny_config(tmp_path / "a", "--train.max_steps=6")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_exact_resume(tmp_path: Path, optimizer: str) -> None:
+    """Muon's momentum travels in AdamW's checkpoint keys (``exp_avg``) and resumes as exactly."""
+    opt = f"--optim.name={optimizer}"
+    straight = tiny_config(tmp_path / "a", "--train.max_steps=6", opt)
     Trainer(straight).fit()
     ref = [r["loss"] for r in read_metrics(straight.train.run_dir)]
 
-    half = tiny_config(tmp_path / "b", "--train.max_steps=3")
+    half = tiny_config(tmp_path / "b", "--train.max_steps=3", opt)
     Trainer(half).fit()
-    full = tiny_config(tmp_path / "b", "--train.max_steps=6")
+    full = tiny_config(tmp_path / "b", "--train.max_steps=6", opt)
     Trainer(full).fit()  # resumes from step 3 in the same run dir
     resumed = [r["loss"] for r in read_metrics(full.train.run_dir)]
     assert len(resumed) == 6

@@ -106,6 +106,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine and wsd)
     decay_fraction: float = 0.2  # wsd: final fraction of steps spent decaying
     expert_lr_scale: float = 1.0  # routed experts' lr is lr * this (1.0: the same lr as every other weight)
+    name: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices (experts too), AdamW on the rest
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the matrices' updates
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per update
+    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"  # muon: precision of the Newton-Schulz iteration
     implementation: Literal["auto", "foreach", "fused"] = "auto"  # AdamW kernels; auto: fused on CUDA, else foreach
 
 

@@ -9,7 +9,7 @@ from moeforge.parallel.flat_shards import Stage
 from moeforge.parallel.grad_buckets import GradReducer
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.optimizer import DistributedOptimizer
-from moeforge.parallel.stack import DTYPES, TrainingStack, optim_param_groups, scale_initial_lr, use_fused_adamw
+from moeforge.parallel.stack import DTYPES, TrainingStack, optimizer_param_groups, scale_initial_lr, use_fused_adamw
 
 
 class DDPStack(TrainingStack):
@@ -32,7 +32,7 @@ class DDPStack(TrainingStack):
         self.reducer = GradReducer(model, mesh, p.bucket_size_mb, overlap=p.overlap_grad_reduce, grad_dtype=grad_dtype)
         o = cfg.optim
         self.optimizer = DistributedOptimizer(
-            scale_initial_lr(optim_param_groups(model, o.weight_decay, o.expert_lr_scale), o.lr),
+            scale_initial_lr(optimizer_param_groups(model, o), o.lr),
             self.reducer,
             lr=o.lr,
             betas=(o.beta1, o.beta2),
@@ -41,6 +41,9 @@ class DDPStack(TrainingStack):
             rank=mesh.rank,
             distributed=mesh.distributed,
             fused=use_fused_adamw(o.implementation, next(model.parameters()).device),
+            muon_momentum=o.muon_momentum,
+            muon_ns_steps=o.muon_ns_steps,
+            muon_ns_dtype=DTYPES[o.muon_ns_dtype],
         )
 
     def set_grad_sync(self, enabled: bool) -> None:

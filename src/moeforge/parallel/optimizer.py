@@ -37,10 +37,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moeforge.model.moe.experts import local_tensor
+from moeforge.parallel.adamw import adamw_update
 from moeforge.parallel.flat_shards import Stage, sharded_flat_tensor, sharded_slab_tensor
 from moeforge.parallel.grad_buckets import BucketEntry, GradBucket, GradReducer, all_gather_single
+from moeforge.parallel.muon import muon_direction, nesterov_update
 
 _PIPELINE_DEPTH = 2  # all-gathers in flight during the weight update
+_MuonSegment = tuple[int, BucketEntry, int, int, int, Tensor]  # group, entry, start, end, shard offset, master
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -57,6 +60,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rank: int = 0,
         distributed: bool = True,
         fused: bool = False,
+        muon_momentum: float = 0.95,
+        muon_ns_steps: int = 5,
+        muon_ns_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.reducer = reducer
@@ -74,6 +80,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._segments = [
             [(group_of[id(e.param)], e, a, z, s) for e, a, z, s in b.shard_segments()] for b in reducer.buckets
         ]
+        # Muon (groups marked "muon"): exp_avg holds the momentum buffer, exp_avg_sq stays zero.
+        self.muon_momentum, self.muon_ns_steps, self.muon_ns_dtype = muon_momentum, muon_ns_steps, muon_ns_dtype
+        muon_ids = {id(p) for g in self.param_groups if g.get("muon") for p in g["params"]}
+        self._bucket_has_muon = [any(id(e.param) in muon_ids for e in b.entries) for b in reducer.buckets]
         self.shard_state: list[dict[str, Tensor]] = []
         for b in reducer.buckets:
             st = {
@@ -137,42 +147,67 @@ class DistributedOptimizer(torch.optim.Optimizer):
             st, grad = self.shard_state[i], b.grad_shard
             if grad.dtype != torch.float32:
                 grad = grad.float()
-            for (gi, _, a, z, s), master in zip(self._segments[i], self._master_views(i)):
+            muon_segments = []
+            for (gi, e, a, z, s), master in zip(self._segments[i], self._master_views(i)):
+                if self.param_groups[gi].get("muon"):
+                    muon_segments.append((gi, e, a, z, s, master))
+                    continue
                 lists = per_group[gi]
                 lists["p"].append(master)
                 lists["g"].append(grad[s : s + z - a])
                 lists["m"].append(st["exp_avg"][s : s + z - a])
                 lists["v"].append(st["exp_avg_sq"][s : s + z - a])
+            if self._bucket_has_muon[i]:
+                self._muon_bucket(i, grad, muon_segments)
         for group, lists in zip(self.param_groups, per_group):
             if lists["p"]:
                 self._adamw(group, lists["p"], lists["g"], lists["m"], lists["v"])
         self._all_gather_params()
 
+    def _muon_bucket(self, i: int, grad: Tensor, segments: list[_MuonSegment]) -> None:
+        """Muon on the matrices of bucket ``i`` (:mod:`moeforge.parallel.muon`).
+
+        The momentum (``exp_avg``) and the Nesterov update stay sharded and elementwise; the updates'
+        shards are all-gathered over the bucket's group so that every rank holding part of a matrix
+        orthogonalises the whole of it, then applies its own slice to its master shard.
+        """
+        b, st, mu = self.reducer.buckets[i], self.shard_state[i], self.muon_momentum
+        update = torch.zeros(b.shard_size, dtype=torch.float32, device=grad.device)
+        for _, _, a, z, s, _ in segments:
+            update[s : s + z - a] = nesterov_update(grad[s : s + z - a], st["exp_avg"][s : s + z - a], mu)
+        full = update
+        if b.group_size > 1:  # every rank of the group calls this: whether a bucket has Muon matrices is global
+            full = torch.empty(b.padded_numel, dtype=torch.float32, device=grad.device)
+            all_gather_single(full, update, group=b.group)
+        for gi, e, a, z, _, master in segments:
+            group = self.param_groups[gi]
+            matrix = full[e.offset : e.offset + e.numel].view(local_tensor(e.param).shape)
+            split = int(group.get("split", 1))
+            direction = muon_direction(matrix, split, self.muon_ns_steps, self.muon_ns_dtype).reshape(-1)[a:z]
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
+            if wd:
+                master.mul_(1 - lr * wd)
+            master.add_(direction, alpha=-lr)
+
     def _adamw(self, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list) -> None:
         """torch's multi-tensor AdamW (non-capturable) on shard segments, or its fused kernel."""
-        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-        beta1, beta2 = group["betas"]
+        fused_step = None
         if self.fused:
             if self._step_tensor is None or self._step_tensor.device != params[0].device:
                 self._step_tensor = torch.zeros((), dtype=torch.float32, device=params[0].device)
-            self._step_tensor.fill_(self.step_count)  # the kernel reads it (one tensor for every segment)
-            steps = [self._step_tensor] * len(params)
-            torch._fused_adamw_(
-                params, grads, exp_avgs, exp_avg_sqs, [], steps,
-                lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
-            )  # fmt: skip
-            return
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-        bias_correction1 = 1 - beta1**self.step_count
-        bias_correction2_sqrt = (1 - beta2**self.step_count) ** 0.5
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias_correction1)
+            fused_step = self._step_tensor
+        adamw_update(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            step=self.step_count,
+            lr=float(group["lr"]),
+            betas=group["betas"],
+            weight_decay=float(group["weight_decay"]),
+            eps=float(group["eps"]),
+            fused_step=fused_step,
+        )
 
     def _all_gather_params(self) -> None:
         """Write updated shards back into the parameters of every bucket (in the parameters' dtype)."""

@@ -17,9 +17,10 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from moeforge.config import Config
+from moeforge.config import Config, OptimConfig
 from moeforge.model.params import EXPERT, NO_DECAY, named_parameter_roles
 from moeforge.parallel.flat_shards import Stage
+from moeforge.parallel.muon import MuonAdamW, muon_param_groups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -58,6 +59,13 @@ def optim_param_groups(model: nn.Module, weight_decay: float, expert_lr_scale: f
     if expert:
         groups.append({"params": expert, "weight_decay": weight_decay, "lr_scale": expert_lr_scale})
     return groups
+
+
+def optimizer_param_groups(model: nn.Module, o: OptimConfig) -> list[dict]:
+    """The param groups of ``optim.name``: AdamW's by role, or Muon's (hidden matrices) beside AdamW's."""
+    if o.name == "muon":
+        return muon_param_groups(model, o.weight_decay, o.expert_lr_scale)
+    return optim_param_groups(model, o.weight_decay, o.expert_lr_scale)
 
 
 def scale_initial_lr(groups: list[dict], lr: float) -> list[dict]:
@@ -156,4 +164,12 @@ class LocalStack(TrainingStack):
 
     def __init__(self, model: nn.Module, cfg: Config) -> None:
         self.model = model
-        self.optimizer = build_adamw(optim_param_groups(model, cfg.optim.weight_decay, cfg.optim.expert_lr_scale), cfg)
+        o = cfg.optim
+        self.optimizer: torch.optim.Optimizer
+        if o.name == "muon":
+            groups = scale_initial_lr(optimizer_param_groups(model, o), o.lr)
+            betas = (o.beta1, o.beta2)
+            ns_dtype = DTYPES[o.muon_ns_dtype]
+            self.optimizer = MuonAdamW(groups, o.lr, betas, o.eps, o.muon_momentum, o.muon_ns_steps, ns_dtype)
+        else:
+            self.optimizer = build_adamw(optim_param_groups(model, o.weight_decay, o.expert_lr_scale), cfg)
