@@ -169,13 +169,6 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(o.expert_lr_scale > 0, "optim.expert_lr_scale", "must be > 0 (1.0: experts get the base lr)")
     _check(0 <= o.muon_momentum < 1, "optim.muon_momentum", "must be in [0, 1)")
     _check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", "must be >= 1")
-    if o.name == "muon":
-        _check(
-            cfg.parallel.stack == "ddp" and cfg.parallel.tp == 1,
-            "optim.name",
-            "muon orthogonalises whole matrices: it runs on the ddp stack (or one process) without tensor "
-            f"parallelism (got parallel.stack={cfg.parallel.stack!r}, tp={cfg.parallel.tp}); use optim.name=adamw",
-        )
 
     t = cfg.train
     _check(t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
@@ -213,6 +206,13 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _check(p.ep == 1, "parallel.ep", "the fsdp stack shards every expert instead; set parallel.ep=1")
     if world_size is not None:
         validate_layout(cfg, world_size)
+    if cfg.optim.name == "muon":
+        _check(
+            cfg.parallel.stack == "ddp" and cfg.parallel.tp == 1,
+            "optim.name",
+            "muon orthogonalises whole matrices: it runs on the ddp stack (or one process) without tensor "
+            f"parallelism (got parallel.stack={cfg.parallel.stack!r}, tp={cfg.parallel.tp}); use optim.name=adamw",
+        )
 
 
 def check_tp(cfg: Config) -> None:
