@@ -264,3 +264,22 @@ def _train_bf16(root: str) -> None:
 def test_pp2_bf16_parameters_with_activation_checkpointing_train(tmp_path: Path) -> None:
     Trainer(tiny_config(tmp_path, f"--train.run_dir={tmp_path / 'prep'}", "--train.max_steps=1")).fit()
     run_distributed_test(_train_bf16, 2, args=(str(tmp_path),))
+
+
+MUON = ["--optim.name=muon", "--optim.muon_ns_dtype=fp32"]  # fp32 iteration: layout-independent to round-off
+
+
+def _train_muon_pp2(root: str) -> None:
+    cfg = tiny_config(Path(root), f"--train.run_dir={Path(root) / 'muon_pp2'}", *COMMON, *MUON, *LAYOUTS["pp2_1f1b"])
+    trainer = Trainer(cfg)
+    trainer.fit()
+    torch.save(_params(trainer), Path(root) / f"muon_pp2.rank{dist.get_rank()}.pt")
+
+
+def test_pp2_with_muon_matches_single_process(tmp_path: Path) -> None:
+    """Each stage's distributed optimizer runs Muon on its own matrices; together they equal one process."""
+    ref_cfg = tiny_config(tmp_path, f"--train.run_dir={tmp_path / 'ref'}", *COMMON, *MUON)
+    ref_trainer = Trainer(ref_cfg)
+    ref_trainer.fit()
+    run_distributed_test(_train_muon_pp2, 2, args=(str(tmp_path),))
+    assert_runs_match(tmp_path, read_metrics(ref_cfg.train.run_dir), _params(ref_trainer), ["muon_pp2"], STEPS)
