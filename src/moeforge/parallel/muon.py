@@ -137,9 +137,7 @@ class MuonAdamW(torch.optim.Optimizer):
                         self.ns_steps,
                         self.ns_dtype,
                     )
-                    if wd:
-                        p.mul_(1 - lr * wd)
-                    p.add_(direction.to(p.dtype), alpha=-lr)
+                    decayed_step_(p, direction, lr, wd)
                 continue
             adamw_update(
                 params,
@@ -158,3 +156,10 @@ def nesterov_update(grad: Tensor, buf: Tensor, momentum: float) -> Tensor:
     """Advance the momentum buffer ``buf`` in place and return the Nesterov update ``grad + momentum * buf`` (fp32)."""
     buf.mul_(momentum).add_(grad)
     return grad.float().add(buf, alpha=momentum)
+
+
+def decayed_step_(param: Tensor, direction: Tensor, lr: float, weight_decay: float) -> None:
+    """``param <- param * (1 - lr * weight_decay) - lr * direction`` in place (decoupled weight decay)."""
+    if weight_decay:
+        param.mul_(1 - lr * weight_decay)
+    param.add_(direction.to(param.dtype), alpha=-lr)

@@ -1,5 +1,8 @@
 """Distributed optimizer: AdamW with fp32 master weights and both moments sharded over each data-parallel group.
 
+With ``optim.name=muon`` the groups marked ``muon`` take Muon's update instead
+(:meth:`DistributedOptimizer._muon_bucket`, :mod:`moeforge.parallel.muon`); their momentum lives in ``exp_avg``.
+
 Works on the buckets of :class:`~moeforge.parallel.grad_buckets.GradReducer`:
 every bucket is split into ``group_size`` equal shards (dense buckets over dp,
 expert buckets over expert-dp), the reduce-scatter leaves this rank's shard of
@@ -40,7 +43,7 @@ from moeforge.model.moe.experts import local_tensor
 from moeforge.parallel.adamw import adamw_update
 from moeforge.parallel.flat_shards import Stage, sharded_flat_tensor, sharded_slab_tensor
 from moeforge.parallel.grad_buckets import BucketEntry, GradBucket, GradReducer, all_gather_single
-from moeforge.parallel.muon import muon_direction, nesterov_update
+from moeforge.parallel.muon import decayed_step_, muon_direction, nesterov_update
 
 _PIPELINE_DEPTH = 2  # all-gathers in flight during the weight update
 _MuonSegment = tuple[int, BucketEntry, int, int, int, Tensor]  # group, entry, start, end, shard offset, master
@@ -184,10 +187,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             matrix = full[e.offset : e.offset + e.numel].view(local_tensor(e.param).shape)
             split = int(group.get("split", 1))
             direction = muon_direction(matrix, split, self.muon_ns_steps, self.muon_ns_dtype).reshape(-1)[a:z]
-            lr, wd = float(group["lr"]), float(group["weight_decay"])
-            if wd:
-                master.mul_(1 - lr * wd)
-            master.add_(direction, alpha=-lr)
+            decayed_step_(master, direction, float(group["lr"]), float(group["weight_decay"]))
 
     def _adamw(self, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list) -> None:
         """torch's multi-tensor AdamW (non-capturable) on shard segments, or its fused kernel."""
