@@ -42,3 +42,58 @@ def test_experts_aligned_equal_loop_with_grads() -> None:
     for a, b in zip(fast.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
         assert a.grad.is_contiguous()
+
+
+def _run_both(dtype: torch.dtype, autocast: bool, k: int, align: int) -> None:
+    """``LocalDispatcher.run`` (gathers, rows straight into the padded layout) against ``dispatch`` + experts +
+    ``combine`` (the reference every dispatcher matches): outputs and gradients equal to the bit, but for the
+    input gradient in bf16 with k > 2: the gather's backward (``index_add``) sums a token's k routes in fp32,
+    the reference's accumulating ``index_put`` in bf16, so they may differ by a bf16 rounding."""
+    from moeforge.model.moe import LocalDispatcher
+    from moeforge.model.moe.dispatch import Dispatcher
+
+    g = torch.Generator().manual_seed(k)
+    experts = GroupedExperts(6, 16, 24, "grouped", cpu_align=align)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    experts.to(dtype)
+    n = 37
+    x = torch.randn(n, 16, generator=g).to(torch.float32 if autocast else dtype)
+    scores = torch.randn(n, 6, generator=g)
+    scores[:, 2] = -1e9  # expert 2 gets no rows: an empty group
+    weights, indices = torch.softmax(scores, -1).topk(k, dim=-1)
+    grad = torch.randn(n, 16, generator=g)
+    dispatcher = LocalDispatcher(6)
+    results = []
+    for run in (dispatcher.run, lambda *a: Dispatcher.run(dispatcher, *a)):
+        experts.zero_grad(set_to_none=True)
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            expected_align = align if (autocast or dtype == torch.bfloat16) else 1
+            assert experts.row_alignment(xi) == expected_align
+            out = run(xi, indices, wi, experts)
+        out.float().backward(grad)
+        results.append([out, xi.grad, wi.grad, experts.w1.grad, experts.w2.grad])
+    assert int(dispatcher.stats.tokens_per_rank.item()) == n * k
+    for i, (fused, reference) in enumerate(zip(*results)):
+        assert fused.dtype == reference.dtype
+        if i == 1 and fused.dtype == torch.bfloat16 and k > 2:
+            scale = float(reference.abs().max())  # one bf16 rounding of a sum of k terms, relative to its scale
+            torch.testing.assert_close(fused.float(), reference.float(), rtol=0, atol=2**-7 * scale)
+        else:
+            assert torch.equal(fused, reference), i
+
+
+def test_local_run_fused_padding_equals_dispatch_combine_bf16() -> None:
+    for k in (2, 4):
+        _run_both(torch.bfloat16, autocast=False, k=k, align=16)
+
+
+def test_local_run_fused_padding_equals_dispatch_combine_autocast() -> None:
+    _run_both(torch.float32, autocast=True, k=4, align=8)
+
+
+def test_local_run_gathers_equal_dispatch_combine_fp32() -> None:
+    for k in (1, 4):
+        _run_both(torch.float32, autocast=False, k=k, align=16)

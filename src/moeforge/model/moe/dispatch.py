@@ -15,6 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moeforge.model.moe.experts import GroupedExperts
+from moeforge.ops.grouped_gemm import aligned_groups
+
 
 @dataclass
 class DispatchStats:
@@ -82,3 +85,33 @@ class LocalDispatcher(Dispatcher):
     def combine(self, y: Tensor, state: Any) -> Tensor:
         order, weights = state
         return weighted_unpermute(y, order, weights)
+
+    def run(self, x: Tensor, indices: Tensor, weights: Tensor, experts: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """``combine(experts(*dispatch(...)))`` in gathers only: the tokens are read once into the experts'
+        rows and the outputs once back into token order (a gather's gradient is an ``index_add``, cheaper on
+        the CPU than the accumulating ``index_put`` of a scatter). When the experts want their groups
+        aligned (:meth:`GroupedExperts.row_alignment`: the CPU in bf16) the rows are gathered straight into
+        the padded layout, two copies fewer each way than gathering, then padding. The values are those of
+        ``dispatch`` + ``combine`` to the bit.
+        """
+        n, k = indices.shape
+        if n == 0 or not isinstance(experts, GroupedExperts):
+            return super().run(x, indices, weights, experts)
+        order, counts = sort_routes(indices, self.num_local_experts)
+        offsets = counts.cumsum(0).to(torch.int32)
+        self.stats = DispatchStats(tokens_per_rank=counts.sum().reshape(1).float())
+        align = experts.row_alignment(x)
+        if align == 1:
+            pos = torch.arange(n * k, device=x.device)
+            y = experts(x.index_select(0, order // k), offsets)
+        else:
+            pos, padded_offsets, total = aligned_groups(offsets, n * k, align)
+            # every buffer row names its token; the padding and the rows past the last group name an appended
+            # zero row, so they hold zeros (as the experts' own padding does) and any gradient they get lands there
+            src = torch.full((total,), n, dtype=torch.long, device=x.device)
+            src[pos] = order // k
+            rows = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src)
+            y = experts(rows, padded_offsets, aligned=True)
+        route_pos = torch.empty_like(order)
+        route_pos[order] = pos  # the row of y that holds each (token, k) route
+        return (y.index_select(0, route_pos).view(n, k, -1) * weights.to(y.dtype)[..., None]).sum(dim=1)

@@ -41,19 +41,32 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.gemm: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
-    def forward(self, x: Tensor, offsets: Tensor) -> Tensor:
-        w1, w2 = local_tensor(self.w1), local_tensor(self.w2)
+    def compute_dtype(self, x: Tensor) -> torch.dtype:
+        """The dtype the GEMMs run in for input ``x``: autocast's when it is on, else the weights'."""
         if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
-        else:
-            x = x.to(w1.dtype)
+            return torch.get_autocast_dtype(x.device.type)
+        return local_tensor(self.w1).dtype
+
+    def row_alignment(self, x: Tensor) -> int:
+        """Rows each expert's group is padded to a multiple of for input ``x`` (1: none). A dispatcher that
+        lays rows out this way itself (:func:`aligned_groups`) calls ``forward(..., aligned=True)``."""
+        cpu_grouped = self.impl == "grouped" and self.gemm is None and x.device.type == "cpu"
+        if cpu_grouped and self.cpu_align > 1 and self.compute_dtype(x) in self.cpu_align_dtypes:
+            return self.cpu_align
+        return 1
+
+    def forward(self, x: Tensor, offsets: Tensor, aligned: bool = False) -> Tensor:
+        """Rows grouped by expert -> expert outputs. ``aligned``: the rows already sit in the padded layout
+        of ``aligned_groups(..., row_alignment(x))`` with ``offsets`` its padded offsets, zeros between groups."""
+        w1, w2 = local_tensor(self.w1), local_tensor(self.w2)
+        dtype = self.compute_dtype(x)
+        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
         if self.gemm is not None:  # a low-precision GEMM installed by parallel code (it pads groups itself)
             return self._swiglu(self.gemm, x, w1, w2, offsets)
-        aligned = self.cpu_align > 1 and x.dtype in self.cpu_align_dtypes
-        if self.impl == "grouped" and x.device.type == "cpu" and x.shape[0] and aligned:
+        align = 1 if aligned else self.row_alignment(x)
+        if align > 1 and x.shape[0]:
             # groups aligned to cpu_align rows, so oneDNN reuses its compiled kernels (see aligned_groups)
-            pos, padded_offsets, total = aligned_groups(offsets, x.shape[0], self.cpu_align)
+            pos, padded_offsets, total = aligned_groups(offsets, x.shape[0], align)
             padded = x.new_zeros(total, x.shape[1]).index_copy(0, pos, x)
             return self._swiglu(grouped_mm, padded, w1, w2, padded_offsets).index_select(0, pos)
         return self._swiglu(grouped_mm if self.impl == "grouped" else grouped_mm_loop, x, w1, w2, offsets)
