@@ -5,11 +5,12 @@ moeforge model exported with ``to_hf`` and loaded with ``from_pretrained``, expe
 ``grouped_mm``, attention ``sdpa``). In one process, with the same thread count, each mode runs
 both models on the same token batches with the same ``torch.optim.AdamW``, alternating step by
 step (:func:`moeforge.bench.alternate.alternate_timed`). A step is zero-grad, forward, loss
-(next-token cross-entropy by :func:`moeforge.train.losses.lm_loss_fn` plus each model's own
+(each library's own next-token cross-entropy: moeforge's :func:`moeforge.train.losses.lm_loss_fn`,
+HF's ``loss_function`` on the shifted labels, both in fp32 arithmetic; plus each model's own
 load-balancing loss: moeforge's aux + z loss, HF's ``aux_loss``), backward and the optimizer step.
 
-Modes: ``fp32`` (fp32 weights), ``bf16_autocast`` (fp32 weights under bf16 autocast, the
-cross-entropy on the bf16 logits as moeforge's trainer does), ``bf16_params`` (bf16 weights and
+Modes: ``fp32`` (fp32 weights), ``bf16_autocast`` (fp32 weights under bf16 autocast),
+``bf16_params`` (bf16 weights and
 AdamW states, no autocast). Per mode it reports tokens/s of both, the ratio moeforge / HF, MFU
 against the bf16 matmul peak, the hash of the batches each model consumed, and each model's
 first-step loss (they agree in fp32: same weights, same tokens).
@@ -65,12 +66,12 @@ class _Contender:
 
     def loss(self, batch: Tensor) -> tuple[Tensor, Tensor]:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        upcast = self.mode != "bf16_autocast"
-        if self.is_hf:
+        if self.is_hf:  # HF's own causal-LM loss, as a transformers user gets it (fp32 cross-entropy)
             out = self.model(input_ids=inputs, output_router_logits=True, use_cache=False)
-            lm = lm_loss_fn(out.logits, targets, upcast=upcast)
+            vocab = self.model.config.vocab_size
+            lm = self.model.loss_function(out.logits, None, vocab, shift_labels=targets.contiguous())
             return lm + self.aux_coef * out.aux_loss.float(), lm
-        lm = lm_loss_fn(self.model(inputs), targets, upcast=upcast)
+        lm = lm_loss_fn(self.model(inputs), targets, upcast=self.mode != "bf16_autocast")
         weighted_aux, _, _ = moe_aux_terms(self.model)
         return lm + weighted_aux, lm
 

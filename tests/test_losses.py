@@ -1,0 +1,42 @@
+"""The CPU cross-entropy (:class:`ChunkedCrossEntropy`) against ``F.cross_entropy`` on an fp32 copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeforge.train import losses
+from moeforge.train.losses import lm_loss_fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_equals_fp32_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(losses, "CE_CHUNK_ELEMENTS", 7 * 100)  # 7 rows a chunk: 45 rows end in a partial chunk
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 15, 100, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, 100, (3, 15), generator=g)
+    targets[1, 4:9] = -100  # ignored, as in F.cross_entropy
+    ours, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = lm_loss_fn(ours, targets)
+    expected = F.cross_entropy(ref.float().reshape(-1, 100), targets.reshape(-1))
+    (0.37 * loss).backward()
+    (0.37 * expected).backward()
+    assert loss.dtype == torch.float32 and ours.grad is not None and ref.grad is not None
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert ours.grad.dtype == dtype
+    # fp32: the same arithmetic to round-off; bf16: both round the fp32 gradient to bf16 once
+    tol = {"rtol": 1e-5, "atol": 1e-8} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-6}
+    torch.testing.assert_close(ours.grad, ref.grad, **tol)
+    assert torch.count_nonzero(ours.grad[1, 4:9]) == 0
+
+
+def test_chunked_cross_entropy_under_autocast_and_without_grad() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 64, generator=g, dtype=torch.bfloat16)
+    targets = torch.randint(0, 64, (40,), generator=g)
+    expected = F.cross_entropy(logits.float(), targets)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(lm_loss_fn(logits, targets), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(lm_loss_fn(logits, targets), expected)
