@@ -179,16 +179,16 @@ def test_distributed_optimizer_contract() -> None:
 
 
 def test_local_adamw_implementation() -> None:
-    """One process: ``auto`` is foreach on the CPU, ``fused`` takes torch's fused kernel; the two agree."""
+    """One process: ``auto`` takes torch's fused kernel on the CPU, ``foreach`` its foreach ops; the two agree."""
     batches = fixed_batches(3)
     params = {}
-    for impl in ("auto", "fused"):
+    for impl in ("auto", "foreach"):
         cfg = tiny_config()
         cfg.optim.implementation = impl
         stack = LocalStack(make_model(cfg), cfg)
-        assert bool(stack.optimizer.defaults.get("fused")) == (impl == "fused")
-        assert bool(stack.optimizer.defaults.get("foreach")) == (impl == "auto")
+        assert bool(stack.optimizer.defaults.get("fused")) == (impl == "auto")
+        assert bool(stack.optimizer.defaults.get("foreach")) == (impl == "foreach")
         train_steps(stack, batches, 1, 0, 1, 0.5)
-        params[impl] = full_params(stack.model)
-    for k, v in params["auto"].items():
+        params["fused" if impl == "auto" else impl] = full_params(stack.model)
+    for k, v in params["foreach"].items():
         torch.testing.assert_close(params["fused"][k], v, rtol=1e-5, atol=1e-6, msg=k)

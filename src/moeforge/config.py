@@ -110,7 +110,7 @@ class OptimConfig:
     muon_momentum: float = 0.95  # muon: Nesterov momentum of the matrices' updates
     muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per update
     muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"  # muon: precision of the Newton-Schulz iteration
-    implementation: Literal["auto", "foreach", "fused"] = "auto"  # AdamW kernels; auto: fused on CUDA, else foreach
+    implementation: Literal["auto", "foreach", "fused"] = "auto"  # AdamW kernels; auto: fused on CPU/CUDA
 
 
 @dataclass

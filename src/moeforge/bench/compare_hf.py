@@ -3,7 +3,7 @@
 Both models are built from the same model config and hold the same weights (the HF one is the
 moeforge model exported with ``to_hf`` and loaded with ``from_pretrained``, experts
 ``grouped_mm``, attention ``sdpa``). In one process, with the same thread count, each mode runs
-both models on the same token batches with the same ``torch.optim.AdamW``, alternating step by
+both models on the same token batches with the same fused ``torch.optim.AdamW``, alternating step by
 step (:func:`moeforge.bench.alternate.alternate_timed`). A step is zero-grad, forward, loss
 (each library's own next-token cross-entropy: moeforge's :func:`moeforge.train.losses.lm_loss_fn`,
 HF's ``loss_function`` on the shifted labels, both in fp32 arithmetic; plus each model's own
@@ -59,7 +59,9 @@ class _Contender:
 
     def __init__(self, model: nn.Module, is_hf: bool, mode: str, aux_coef: float, lr: float) -> None:
         self.model, self.is_hf, self.mode, self.aux_coef = model, is_hf, mode, aux_coef
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+        # torch's fused AdamW for both: transformers' Trainer default (``adamw_torch_fused``, torch >= 2.8)
+        # and moeforge's (``optim.implementation=auto``)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         self.seen: list[Tensor] = []
         self.losses: list[float] = []
         self.lm_losses: list[float] = []

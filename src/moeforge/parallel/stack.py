@@ -75,10 +75,15 @@ def scale_initial_lr(groups: list[dict], lr: float) -> list[dict]:
     return groups
 
 
+#: devices where ``optim.implementation=auto`` takes torch's fused AdamW kernel
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
 def use_fused_adamw(implementation: str, device: torch.device) -> bool:
-    """``optim.implementation``: ``fused`` always, ``foreach`` never, ``auto`` on CUDA (one kernel per
-    step instead of a pass over the state for each foreach operation; measured in docs/benchmarks.md)."""
-    return implementation == "fused" or (implementation == "auto" and device.type == "cuda")
+    """``optim.implementation``: ``fused`` always, ``foreach`` never, ``auto`` on the CPU and CUDA (one pass
+    over the state instead of one per foreach operation: 4x to 6.5x faster on this CPU, and what removed
+    the optimizer's cost at 128 experts on an H200; measured in docs/benchmarks.md)."""
+    return implementation == "fused" or (implementation == "auto" and device.type in FUSED_ADAMW_DEVICES)
 
 
 def build_adamw(params: list[dict], cfg: Config) -> torch.optim.AdamW:
