@@ -59,17 +59,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         logits, safe, valid, lse, count = ctx.saved_tensors
         scale = valid.float() * (grad_out.float() / count)  # per row: d loss / d (lse - picked)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        in_place = logits.dtype == torch.float32  # fp32: computed in the gradient's own rows
         for s in range(0, logits.shape[0], ctx.rows):
             e = s + ctx.rows
-            if logits.dtype == torch.float32:  # computed in place in the gradient itself
-                g = torch.sub(logits[s:e], lse[s:e, None], out=grad[s:e])
-            else:
-                g = logits[s:e].float().sub_(lse[s:e, None])
+            # logits - lse promotes to fp32 in the same pass that reads bf16 logits (no separate cast)
+            g = torch.sub(logits[s:e], lse[s:e, None], out=grad[s:e] if in_place else None)
             g.exp_()  # softmax
             g.scatter_add_(1, safe[s:e, None], torch.full_like(lse[s:e, None], -1.0))  # minus the one-hot target
-            g.mul_(scale[s:e, None])
-            if g.dtype != grad.dtype:
-                grad[s:e] = g
+            torch.mul(g, scale[s:e, None], out=grad[s:e])  # scaled and, for bf16, rounded once on the way out
         return grad, None, None
 
 
