@@ -100,8 +100,8 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
       + ``4 F_shared``, plus ``2 E`` fp32 router logits/scores (``r`` = capacity factor
       for rowwise dispatch, else 1);
     - dense FFN block: ``3 d + 4 F_dense``;
-    - after the blocks: ``3 d`` (final norm) + ``V`` (the cross-entropy's log-softmax, in
-      the logits' dtype: training takes the cross-entropy of the bf16 logits under bf16).
+    - after the blocks: ``3 d`` (final norm) + ``V`` (what the cross-entropy keeps for backward,
+      in the logits' dtype: the logits themselves on the CPU, the log-softmax elsewhere).
 
     With checkpointing each block keeps only its input (``d``) and one block at a time
     is recomputed during backward, so the peak is the inputs plus the largest block
@@ -131,7 +131,7 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     dense_ffn = a * (3 * d * s + 4 * m.dense_hidden * s) + g
     n_dense = len(set(m.dense_layers))
     n_moe = m.n_layers - n_dense
-    head = a * 3 * d * s + g + a * m.vocab_size * s  # final norm in/out, log-softmax of the (vocab-split) logits
+    head = a * 3 * d * s + g + a * m.vocab_size * s  # final norm in/out, the cross-entropy's (vocab-split) logits
     if a == 2:  # bf16: norms and the router compute in fp32 and keep those fp32 copies of their inputs
         head += 2 * d * s
         attn += 2 * d * s

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moeforge.ops import grouped_mm, grouped_mm_loop
 from moeforge.ops.grouped_gemm import CPU_GROUP_ALIGN, aligned_groups
+from moeforge.ops.swiglu import swiglu
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -74,5 +74,4 @@ class GroupedExperts(nn.Module):
     @staticmethod
     def _swiglu(mm, x: Tensor, w1: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
         h = mm(x, w1.transpose(-2, -1), offsets)
-        gate, up = h.chunk(2, dim=-1)
-        return mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets)
+        return mm(swiglu(h), w2.transpose(-2, -1), offsets)
