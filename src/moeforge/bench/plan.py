@@ -95,8 +95,9 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
       in bytes, ``c (H + Hkv) hd`` with ``c`` = 8 (fp32) or 5 (bf16), 16 or 11 with QK-norm:
       q, k, v, RoPE's rotated halves and products, SDPA's inputs and output and o_proj's
       input, as measured per head with saved-tensor hooks;
-    - MoE block: ``3 d`` (its norm) + ``r k d`` (dispatched rows) + ``4 r k F``
-      (gate, up, silu(gate), product) + ``r k d`` (expert outputs before combine)
+    - MoE block: ``3 d`` (its norm) + ``r k d`` (dispatched rows) + ``3 r k F``
+      (gate and up, their SwiGLU product; :func:`moeforge.ops.swiglu.swiglu` recomputes
+      ``silu(gate)``) + ``r k d`` (expert outputs before combine)
       + ``4 F_shared``, plus ``2 E`` fp32 router logits/scores (``r`` = capacity factor
       for rowwise dispatch, else 1);
     - dense FFN block: ``3 d + 4 F_dense``;
@@ -126,7 +127,7 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     per_head = (16 if qk else 8) if a == 4 else (11 if qk else 5)
     attn = a * 3 * d * s + g + per_head * (h + kv) * hd * s
     attn += a * 2 * kv * hd * (cp - 1)  # cp: the gathered K and V of the whole sequence
-    moe_ffn = a * (3 * d + 2 * r * k * d + 4 * r * k * f + 4 * moe.shared_expert_hidden) * s
+    moe_ffn = a * (3 * d + 2 * r * k * d + 3 * r * k * f + 4 * moe.shared_expert_hidden) * s
     moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts * s + (g if moe.shared_expert_hidden else 0)
     dense_ffn = a * (3 * d * s + 4 * m.dense_hidden * s) + g
     n_dense = len(set(m.dense_layers))
