@@ -75,12 +75,15 @@ class LocalDispatcher(Dispatcher):
         self.num_local_experts = num_experts
         self.stats = DispatchStats()
 
-    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Any]:
+    def _sorted_routes(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        """``(order of the routes by expert, int32 cumulative offsets)``; records this call's stats."""
         order, counts = sort_routes(indices, self.num_local_experts)
-        rows = x[order // indices.shape[1]]
-        offsets = counts.cumsum(0).to(torch.int32)
         self.stats = DispatchStats(tokens_per_rank=counts.sum().reshape(1).float())
-        return rows, offsets, (order, weights)
+        return order, counts.cumsum(0).to(torch.int32)
+
+    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Any]:
+        order, offsets = self._sorted_routes(indices)
+        return x[order // indices.shape[1]], offsets, (order, weights)
 
     def combine(self, y: Tensor, state: Any) -> Tensor:
         order, weights = state
@@ -97,9 +100,7 @@ class LocalDispatcher(Dispatcher):
         n, k = indices.shape
         if n == 0 or not isinstance(experts, GroupedExperts):
             return super().run(x, indices, weights, experts)
-        order, counts = sort_routes(indices, self.num_local_experts)
-        offsets = counts.cumsum(0).to(torch.int32)
-        self.stats = DispatchStats(tokens_per_rank=counts.sum().reshape(1).float())
+        order, offsets = self._sorted_routes(indices)
         align = experts.row_alignment(x)
         if align == 1:
             pos = torch.arange(n * k, device=x.device)
