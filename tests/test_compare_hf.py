@@ -46,6 +46,20 @@ def test_compare_steps_same_weights_same_inputs() -> None:
         assert ours["first_lm_loss"] == pytest.approx(hf["first_lm_loss"], rel=tol), mode
 
 
+def test_compare_steps_isolated_modes_match_one_process() -> None:
+    """A mode in its own spawned process sees the same batches and starts from the same weights and losses."""
+    kw = {"modes": ("fp32", "bf16_params"), "warmup": 0, "steps": 2, "peak_tflops": 1.0}
+    one, isolated = compare_steps(TINY, 2, 16, **kw), compare_steps(TINY, 2, 16, isolate=True, **kw)
+    assert one["mode_isolation"] == "one process" and isolated["mode_isolation"] == "a fresh process per mode"
+    assert list(isolated["modes"]) == ["fp32", "bf16_params"]
+    for mode, row in isolated["modes"].items():
+        ref = one["modes"][mode]
+        assert row["same_inputs"] and row["hf"]["input_hash"] == ref["hf"]["input_hash"], mode
+        for name in ("moeforge", "hf"):
+            assert len(row[name]["step_s"]) == 2
+            assert row[name]["first_lm_loss"] == pytest.approx(ref[name]["first_lm_loss"], rel=1e-6), (mode, name)
+
+
 def test_compare_layer_outputs_agree_fp32() -> None:
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, norm_topk_prob=True, dispatcher="local")
     r = compare_layer(32, moe, 64, dtype=torch.float32, warmup=0, steps=1)

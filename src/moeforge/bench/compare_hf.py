@@ -4,7 +4,8 @@ Both models are built from the same model config and hold the same weights (the 
 moeforge model exported with ``to_hf`` and loaded with ``from_pretrained``, experts
 ``grouped_mm``, attention ``sdpa``). In one process, with the same thread count, each mode runs
 both models on the same token batches with the same fused ``torch.optim.AdamW``, alternating step by
-step (:func:`moeforge.bench.alternate.alternate_timed`). A step is zero-grad, forward, loss
+step (:func:`moeforge.bench.alternate.alternate_timed`); ``moeforge bench`` gives every mode a fresh
+process of its own (``isolate``). A step is zero-grad, forward, loss
 (each library's own next-token cross-entropy: moeforge's :func:`moeforge.train.losses.lm_loss_fn`,
 HF's ``loss_function`` on the shifted labels, both in fp32 arithmetic; plus each model's own
 load-balancing loss: moeforge's aux + z loss, HF's ``aux_loss``), backward and the optimizer step.
@@ -21,6 +22,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
@@ -100,6 +103,57 @@ def _contenders(cfg: ModelConfig, mode: str, seed: int, device: torch.device, lr
     }
 
 
+def _mode_row(
+    cfg: ModelConfig,
+    mode: str,
+    batches: list[Tensor],
+    warmup: int,
+    steps: int,
+    seed: int,
+    device: torch.device,
+    peak_tflops: float | None,
+    lr: float,
+) -> dict[str, Any]:
+    """Both contenders of ``mode`` trained side by side on ``batches``: their times, losses and the ratio."""
+    log.info("compare hf: mode %s", mode)
+    tokens = batches[0].shape[0] * (batches[0].shape[1] - 1)
+    fpt = flops_per_token(cfg, batches[0].shape[1] - 1)
+    meter = EnergyMeter(device)
+    contenders = _contenders(cfg, mode, seed, device, lr)
+    fns = {name: (lambda i, c=c: c.step(batches[i])) for name, c in contenders.items()}
+    joules: dict[str, float | None] = {}
+    times = alternate_timed(fns, warmup, steps, device, meter, joules)
+    row: dict[str, Any] = {}
+    for name, c in contenders.items():
+        s = summarize(times[name], tokens)
+        row[name] = {
+            "tokens_per_s": s["per_s"],
+            "step_s_median": s["median_s"],
+            "step_s_min": s["min_s"],
+            "step_s": times[name],
+            "first_loss": c.losses[0],
+            "first_lm_loss": c.lm_losses[0],
+            "last_loss": c.losses[-1],
+            "input_hash": batch_hash(c.seen),
+            "mfu": None if not peak_tflops else s["per_s"] * fpt / 1e12 / peak_tflops,
+            "energy": energy_record(joules[name], sum(times[name]), tokens * steps, meter),
+        }
+    row["ratio"] = row["moeforge"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+    row["same_inputs"] = row["moeforge"]["input_hash"] == row["hf"]["input_hash"]
+    log.info("compare hf: %s: moeforge / hf = %.3fx", mode, row["ratio"])
+    return row
+
+
+def _mode_row_in_child(
+    cfg: ModelConfig, mode: str, batch: int, seq_len: int, kw: dict[str, Any], threads: int, device: str
+) -> dict[str, Any]:
+    """:func:`_mode_row` in a fresh process (the batches rebuilt there from the same seed)."""
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    batches = token_batches(cfg.vocab_size, batch, seq_len, kw["warmup"] + kw["steps"], kw["seed"], dev)
+    return _mode_row(cfg, mode, batches, device=dev, **kw)
+
+
 def compare_steps(
     cfg: ModelConfig,
     batch: int,
@@ -112,45 +166,32 @@ def compare_steps(
     device: torch.device | str = "cpu",
     peak_tflops: float | None = None,
     lr: float = 1e-4,
+    isolate: bool = False,
 ) -> dict[str, Any]:
     """Time moeforge and HF Qwen3-MoE training steps side by side in each of ``modes``; one result dict.
 
-    ``peak_tflops`` (per device, the bf16 matmul peak) makes each mode report MFU.
+    ``peak_tflops`` (per device, the bf16 matmul peak) makes each mode report MFU. ``isolate`` runs
+    each mode in a fresh (spawned) process, both contenders in it: what ran before in the process (the
+    allocator's free lists, oneDNN's cache of kernels per shape, shared by both contenders) changes the
+    ratio of a short run by up to 20% on the CPU (docs/benchmarks.md), so a mode's ratio should not
+    depend on which modes ran before it.
     """
     device = torch.device(device)
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"compare_steps: modes must be among {MODES}, got {bad}")
-    batches = token_batches(cfg.vocab_size, batch, seq_len, warmup + steps, seed, device)
-    tokens = batch * seq_len
-    fpt = flops_per_token(cfg, seq_len)
+    kw = {"warmup": warmup, "steps": steps, "seed": seed, "peak_tflops": peak_tflops, "lr": lr}
     results: dict[str, Any] = {}
-    meter = EnergyMeter(device)
-    for mode in modes:
-        log.info("compare hf: mode %s", mode)
-        contenders = _contenders(cfg, mode, seed, device, lr)
-        fns = {name: (lambda i, c=c: c.step(batches[i])) for name, c in contenders.items()}
-        joules: dict[str, float | None] = {}
-        times = alternate_timed(fns, warmup, steps, device, meter, joules)
-        row: dict[str, Any] = {}
-        for name, c in contenders.items():
-            s = summarize(times[name], tokens)
-            row[name] = {
-                "tokens_per_s": s["per_s"],
-                "step_s_median": s["median_s"],
-                "step_s_min": s["min_s"],
-                "step_s": times[name],
-                "first_loss": c.losses[0],
-                "first_lm_loss": c.lm_losses[0],
-                "last_loss": c.losses[-1],
-                "input_hash": batch_hash(c.seen),
-                "mfu": None if not peak_tflops else s["per_s"] * fpt / 1e12 / peak_tflops,
-                "energy": energy_record(joules[name], sum(times[name]), tokens * steps, meter),
-            }
-        row["ratio"] = row["moeforge"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
-        row["same_inputs"] = row["moeforge"]["input_hash"] == row["hf"]["input_hash"]
-        results[mode] = row
-        log.info("compare hf: %s: moeforge / hf = %.3fx", mode, row["ratio"])
+    if isolate:
+        spawn = multiprocessing.get_context("spawn")
+        for mode in modes:
+            with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                args = (cfg, mode, batch, seq_len, kw, torch.get_num_threads(), str(device))
+                results[mode] = pool.submit(_mode_row_in_child, *args).result()
+    else:
+        batches = token_batches(cfg.vocab_size, batch, seq_len, warmup + steps, seed, device)
+        for mode in modes:
+            results[mode] = _mode_row(cfg, mode, batches, device=device, **kw)
     return {
         "kind": "compare hf",
         "transformers": transformers_version(),
@@ -160,7 +201,8 @@ def compare_steps(
         "seq_len": seq_len,
         "warmup": warmup,
         "steps": steps,
-        "flops_per_token": fpt,
+        "mode_isolation": "a fresh process per mode" if isolate else "one process",
+        "flops_per_token": flops_per_token(cfg, seq_len),
         "peak_tflops_bf16": peak_tflops,
         "modes": results,
     }

@@ -2,9 +2,10 @@
 Face's Qwen3-MoE, :mod:`moeforge.bench.compare_hf`) and ``--compare hf_layer`` (the MoE layer alone
 against ``Qwen3MoeSparseMoeBlock``, :mod:`moeforge.bench.compare_layer`).
 
-Both run in this process with ``--threads`` threads (every contender the same), on CUDA when it is
-available and on the CPU otherwise, and write ``results.json`` and ``results.md`` into ``--out``
-with the environment (:func:`moeforge.train.environment.collect_env`) and the command line.
+Each runs its contenders side by side in one process (``--compare hf``: a fresh process per mode) with
+``--threads`` threads (every contender the same), on CUDA when it is available and on the CPU otherwise,
+and writes ``results.json`` and ``results.md`` into ``--out`` with the environment
+(:func:`moeforge.train.environment.collect_env`) and the command line.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def run_inprocess(args: argparse.Namespace, extra: list[str], config: Path) -> i
             seed=cfg.train.seed,
             device=device,
             peak_tflops=peak,
+            isolate=True,
         )
         result["peak_source"] = source
         table = compare_hf.markdown(result)
