@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -74,6 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     result: dict = {"threads": 1, "steps": args.steps, "window": args.window, "torch": torch.__version__, "parts": {}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for part in args.parts:
         fns = layer_fns(args.steps) if part == "layer" else step_fns(part, args.steps, args.config)
         times = alternate_timed(fns, 0, args.steps, torch.device("cpu"))
