@@ -60,17 +60,43 @@ def test_experts_grouped_equals_loop(autocast: bool) -> None:
 
 def test_swiglu_equals_the_autograd_reference_to_the_bit() -> None:
     """The blocked SwiGLU (in place gradient halves, 64-row blocks on the CPU) against autograd's version:
-    same values and gradients bit for bit, in fp32 and bf16, with a partial last block and with no rows."""
+    same values and gradients bit for bit, in fp32 and bf16, with a partial last block and with no rows,
+    with the gradient in a fresh tensor and (``reuse_input``) written into the input's own storage."""
     from moeforge.ops.swiglu import swiglu, swiglu_reference
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (150, 0):
-            h = (torch.randn(rows, 2 * 24, generator=g) * 3).to(dtype)
-            grad = torch.randn(rows, 24, generator=g).to(dtype)
-            a, b = h.clone().requires_grad_(), h.clone().requires_grad_()
-            out_a, out_b = swiglu(a), swiglu_reference(b)
-            out_a.backward(grad)
-            out_b.backward(grad)
-            assert out_a.dtype == dtype and torch.equal(out_a, out_b)
-            assert torch.equal(a.grad, b.grad)
+            for reuse in (False, True):
+                h = (torch.randn(rows, 2 * 24, generator=g) * 3).to(dtype)
+                grad = torch.randn(rows, 24, generator=g).to(dtype)
+                a, b = h.clone().requires_grad_(), h.clone().requires_grad_()
+                private = a * 1  # reuse_input needs an h that nothing else reads: not the leaf itself
+                grad_ptrs: list[int] = []
+                private.register_hook(lambda gr, ptrs=grad_ptrs: ptrs.append(gr.data_ptr()))
+                out_a, out_b = swiglu(private, reuse_input=reuse), swiglu_reference(b)
+                out_a.backward(grad)
+                out_b.backward(grad)
+                assert out_a.dtype == dtype and torch.equal(out_a, out_b)
+                assert torch.equal(a.grad, b.grad)
+                if rows:
+                    assert (grad_ptrs[0] == private.data_ptr()) == reuse  # the gradient took h's storage, or not
+
+
+def test_swiglu_reuse_input_refuses_a_second_backward() -> None:
+    """With ``reuse_input`` the first backward overwrites h, so a second one (retain_graph) must raise
+    rather than return a wrong gradient; without it a second backward gives the same gradient again."""
+    from moeforge.ops.swiglu import swiglu
+
+    h = torch.randn(70, 32)
+    for reuse in (False, True):
+        a = h.clone().requires_grad_()
+        out = swiglu(a * 1, reuse_input=reuse).sum()
+        out.backward(retain_graph=True)
+        first = a.grad.clone()
+        if reuse:
+            with pytest.raises(RuntimeError, match="reuse_input"):
+                out.backward()
+        else:
+            out.backward()
+            torch.testing.assert_close(a.grad, 2 * first)

@@ -7,6 +7,12 @@ in the same order per element (so bit for bit the same), but keeps only ``h``, w
 of the gradient in place, and on the CPU walks a block of rows at a time so that each block's
 intermediates stay in cache (measured in docs/benchmarks.md). Under ``torch.compile`` it is the
 reference, which inductor fuses itself.
+
+With ``reuse_input=True`` (the experts' gate/up product, which nothing else reads) the backward writes
+the gradient into ``h``'s own storage instead of a fresh ``(rows, 2F)`` tensor: the largest
+activation of an expert MLP is not allocated a second time (on the CPU fresh pages of that size cost
+as much as the elementwise work, measured in docs/benchmarks.md), and peak memory drops by its size.
+Such a graph can then be differentiated once only; a second backward raises.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ def swiglu_reference(h: Tensor) -> Tensor:
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, rows: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, h: Tensor, rows: int, reuse_input: bool) -> Tensor:  # type: ignore[override]
         f = h.shape[-1] // 2
         out = h.new_empty(h.shape[0], f)
         for s in range(0, h.shape[0], rows):
@@ -35,14 +41,28 @@ class _SwiGLU(torch.autograd.Function):
             torch.ops.aten.silu.out(h[s : s + rows, :f], out=block)
             block.mul_(h[s : s + rows, f:])
         ctx.save_for_backward(h)
-        ctx.rows = rows
+        ctx.rows, ctx.reuse_input, ctx.spent = rows, reuse_input, False
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
+        if ctx.spent:
+            raise RuntimeError(
+                "swiglu(h, reuse_input=True): the first backward overwrote h with its gradient, so this graph "
+                "cannot be differentiated again; drop retain_graph, or call swiglu with reuse_input=False"
+            )
         (h,) = ctx.saved_tensors
         f, rows = h.shape[-1] // 2, ctx.rows
         grad = grad.contiguous()
+        if ctx.reuse_input:
+            ctx.spent = True
+            for s in range(0, h.shape[0], rows):
+                gate, up, g = h[s : s + rows, :f], h[s : s + rows, f:], grad[s : s + rows]
+                d_silu = g * up  # d silu(gate) = grad * up, a block-sized temporary taken before up is overwritten
+                torch.ops.aten.silu.out(gate, out=up)
+                up.mul_(g)  # d up = grad * silu(gate), in up's place
+                torch.ops.aten.silu_backward.grad_input(d_silu, gate, grad_input=gate)  # d gate, in gate's place
+            return h, None, None
         dh = torch.empty_like(h)
         for s in range(0, h.shape[0], rows):
             gate, up, g = h[s : s + rows, :f], h[s : s + rows, f:], grad[s : s + rows]
@@ -51,12 +71,15 @@ class _SwiGLU(torch.autograd.Function):
             d_up.mul_(g)  # d up = grad * silu(gate)
             torch.mul(g, up, out=d_gate)  # d silu(gate) = grad * up, then through silu
             torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
-        return dh, None
+        return dh, None, None
 
 
-def swiglu(h: Tensor) -> Tensor:
-    """``silu(gate) * up`` of the fused gate/up ``h: (rows, 2F)``; equal to :func:`swiglu_reference` to the bit."""
+def swiglu(h: Tensor, reuse_input: bool = False) -> Tensor:
+    """``silu(gate) * up`` of the fused gate/up ``h: (rows, 2F)``; equal to :func:`swiglu_reference` to the bit.
+
+    ``reuse_input``: ``h`` is read by nothing else (no other op, not a leaf), so backward may write its
+    gradient into ``h``'s storage (see the module's docstring)."""
     if torch.compiler.is_compiling():
         return swiglu_reference(h)
     rows = SWIGLU_CPU_ROWS if h.device.type == "cpu" else max(1, h.shape[0])
-    return _SwiGLU.apply(h, rows)
+    return _SwiGLU.apply(h, rows, reuse_input)

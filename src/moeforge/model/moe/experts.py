@@ -74,4 +74,5 @@ class GroupedExperts(nn.Module):
     @staticmethod
     def _swiglu(mm, x: Tensor, w1: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
         h = mm(x, w1.transpose(-2, -1), offsets)
-        return mm(swiglu(h), w2.transpose(-2, -1), offsets)
+        # h, the gate/up product, is read by the SwiGLU alone: its backward writes the gradient into h's storage
+        return mm(swiglu(h, reuse_input=True), w2.transpose(-2, -1), offsets)
