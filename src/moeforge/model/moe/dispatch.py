@@ -60,12 +60,12 @@ def sort_routes(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
 
 
 def weighted_unpermute(y_sorted: Tensor, order: Tensor, weights: Tensor) -> Tensor:
-    """Undo ``order`` on ``(N*k, D)`` rows and sum the k routes of each token, weighted (deterministic)."""
+    """Undo ``order`` on ``(N*k, D)`` rows and sum the k routes of each token, weighted (deterministic):
+    :func:`weighted_gather` at each route's row of ``y_sorted``."""
     n, k = weights.shape
-    routes = torch.empty_like(y_sorted)
-    routes[order] = y_sorted
-    routes = routes.view(n, k, y_sorted.shape[-1]) * weights.to(routes.dtype)[..., None]
-    return routes.sum(dim=1)
+    route_pos = torch.empty_like(order)
+    route_pos[order] = torch.arange(order.numel(), device=order.device)
+    return weighted_gather(y_sorted, route_pos.view(n, k), weights)
 
 
 class _WeightedGather(torch.autograd.Function):
