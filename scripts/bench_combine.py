@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -69,8 +70,8 @@ def main() -> None:
             f"{row['dtype']} n={n} k={k} d={d}: bit-equal {bit_equal}; weighted_unpermute "
             f"{med['weighted_unpermute']:.2f} ms, products formula {med['products_formula']:.2f} ms: {speed:.2f}x\n"
         )
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
