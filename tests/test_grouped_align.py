@@ -25,7 +25,7 @@ def test_experts_aligned_equal_loop_with_grads() -> None:
     g = torch.Generator().manual_seed(0)
     fast, ref = GroupedExperts(5, 16, 24, "grouped"), GroupedExperts(5, 16, 24, "loop")
     assert torch.bfloat16 in fast.cpu_align_dtypes
-    fast.cpu_align, fast.cpu_align_dtypes = 16, (torch.float32,)  # the aligned path, checked exactly in fp32
+    fast.cpu_align, fast.cpu_align_dtypes = 16, (torch.float32,)  # the aligned path, in fp32
     with torch.no_grad():
         for a, b in zip(fast.parameters(), ref.parameters()):
             a.copy_(torch.randn(a.shape, generator=g))
@@ -37,11 +37,13 @@ def test_experts_aligned_equal_loop_with_grads() -> None:
     out_a, out_b = fast(xa, offsets), ref(xb, offsets)
     out_a.backward(grad)
     out_b.backward(grad)
-    torch.testing.assert_close(out_a, out_b, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)
-    for a, b in zip(fast.parameters(), ref.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
-        assert a.grad.is_contiguous()
+    # fp32 rounding differs with the GEMM's blocking (padded rows or not, the CPU's kernels): compare at a few
+    # ulps of each tensor's largest entry
+    for got, want in [(out_a, out_b), (xa.grad, xb.grad)] + [
+        (a.grad, b.grad) for a, b in zip(fast.parameters(), ref.parameters())
+    ]:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=4e-6 * float(want.detach().abs().max()))
+    assert all(a.grad.is_contiguous() for a in fast.parameters())
 
 
 def _run_both(dtype: torch.dtype, autocast: bool, k: int, align: int) -> None:
