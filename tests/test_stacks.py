@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config, ModelConfig, MoEConfig
+from moeforge.model.moe import GroupedExperts
 from moeforge.model.transformer import MoETransformer, build_model
 from moeforge.parallel.grad_buckets import param_segment
 from moeforge.parallel.mesh import MoEMesh, build_mesh
@@ -143,6 +144,9 @@ def check_case(cfg: Config, dead_experts: bool = False) -> None:
     mesh: MoEMesh = build_mesh(cfg.parallel)
     stack = build_stack(make_model(cfg, dead_experts), cfg, mesh)
     early: list[int] | None = [] if cfg.parallel.stack == "ddp" else None
+    experts = [m for m in stack.model.modules() if isinstance(m, GroupedExperts)]
+    # the ddp stack's experts add their fp32 weight gradients into the buckets in place (tests/test_wgrad_in_place.py)
+    assert experts and all(m.wgrad_in_place == (cfg.parallel.stack == "ddp") for m in experts)
     losses, norms, counts = train_steps(stack, fixed_batches(), MICRO, rank, world, cfg.optim.grad_clip, early)
     params = full_params(stack.model)
     ref_losses, ref_norms, ref_params = reference(cfg, world, dead_experts)

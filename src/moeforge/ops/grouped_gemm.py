@@ -11,7 +11,10 @@ pure-PyTorch reference and fallback.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from moeforge.ops.mkl_batch import accumulate_grouped_wgrad_, has_mkl_batch
 
 
 def has_grouped_mm() -> bool:
@@ -43,6 +46,55 @@ class _GroupedMM(torch.autograd.Function):
                 dw = torch._grouped_mm(x.t(), grad, offs=offsets)
             dw = dw.to(w.dtype)
         return dx, dw, None
+
+
+class _GroupedMMWgradInPlace(torch.autograd.Function):
+    """``x @ weight[g].T`` per group; the backward adds the weight's gradient into ``weight.grad`` itself."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight, offsets)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        x, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
+        dx = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            accumulate_grouped_wgrad_(weight.grad, grad, x.contiguous(), offsets)
+        # no gradient for `weight`: autograd still runs its AccumulateGrad node with nothing to add, and with it
+        # the post-accumulate-grad hooks (the ddp stack's bucket hooks), after the in-place addition above
+        return dx, None, None
+
+
+def can_wgrad_in_place(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`grouped_mm_wgrad_in_place` applies: a CPU fp32 leaf parameter whose ``.grad`` (if any) is a
+    contiguous fp32 tensor, MKL present, not under torch.compile."""
+    grad = weight.grad
+    return (
+        isinstance(weight, nn.Parameter)
+        and not isinstance(weight, DTensor)
+        and weight.is_leaf
+        and weight.requires_grad
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and (grad is None or (grad.dtype == torch.float32 and grad.is_contiguous() and not isinstance(grad, DTensor)))
+        and not torch.compiler.is_compiling()
+        and has_mkl_batch()
+    )
+
+
+def grouped_mm_wgrad_in_place(x: Tensor, weight: nn.Parameter, offsets: Tensor) -> Tensor:
+    """``grouped_mm(x, weight.transpose(-2, -1), offsets)`` whose backward accumulates the gradient of ``weight``
+    (``(G, N, K)``) straight into ``weight.grad`` with one MKL call (gradient-accumulation fusion); the
+    parameter's post-accumulate-grad hooks run after it as usual. Autograd receives no gradient for ``weight``, so
+    use it only
+    where the gradient is read from ``.grad`` after ``backward()`` (not ``torch.autograd.grad``); see
+    :func:`can_wgrad_in_place` for where it applies."""
+    return _GroupedMMWgradInPlace.apply(x, weight, offsets)
 
 
 @torch.compiler.disable

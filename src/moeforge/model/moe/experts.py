@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moeforge.ops import grouped_mm, grouped_mm_loop
-from moeforge.ops.grouped_gemm import CPU_GROUP_ALIGN, aligned_groups
+from moeforge.ops.grouped_gemm import CPU_GROUP_ALIGN, aligned_groups, can_wgrad_in_place, grouped_mm_wgrad_in_place
 from moeforge.ops.swiglu import swiglu
 
 
@@ -40,6 +40,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.gemm: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
+        self.wgrad_in_place = False
 
     def compute_dtype(self, x: Tensor) -> torch.dtype:
         """The dtype the GEMMs run in for input ``x``: autocast's when it is on, else the weights'."""
@@ -64,12 +65,25 @@ class GroupedExperts(nn.Module):
         if self.gemm is not None:  # a low-precision GEMM installed by parallel code (it pads groups itself)
             return self._swiglu(self.gemm, x, w1, w2, offsets)
         align = 1 if aligned else self.row_alignment(x)
+        if self._use_wgrad_in_place(x, align):
+            h = grouped_mm_wgrad_in_place(x, self.w1, offsets)
+            return grouped_mm_wgrad_in_place(swiglu(h, reuse_input=True), self.w2, offsets)
         if align > 1 and x.shape[0]:
             # groups aligned to cpu_align rows, so oneDNN reuses its compiled kernels (see aligned_groups)
             pos, padded_offsets, total = aligned_groups(offsets, x.shape[0], align)
             padded = x.new_zeros(total, x.shape[1]).index_copy(0, pos, x)
             return self._swiglu(grouped_mm, padded, w1, w2, padded_offsets).index_select(0, pos)
         return self._swiglu(grouped_mm if self.impl == "grouped" else grouped_mm_loop, x, w1, w2, offsets)
+
+    def _use_wgrad_in_place(self, x: Tensor, align: int) -> bool:
+        return (
+            self.wgrad_in_place
+            and self.impl == "grouped"
+            and align == 1
+            and torch.is_grad_enabled()
+            and can_wgrad_in_place(x, self.w1)
+            and can_wgrad_in_place(x, self.w2)
+        )
 
     @staticmethod
     def _swiglu(mm, x: Tensor, w1: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
