@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from moeforge.cli import main
 from moeforge.config import ConfigError, load_config, save_config
@@ -25,6 +26,7 @@ from moeforge.testing.distributed import free_port
 from moeforge.train.checkpoint import complete_checkpoints, verify_checkpoint
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.metrics import read_metrics
+from moeforge.train.step_guard import weights_finite
 
 from .helpers import tiny_config
 
@@ -86,6 +88,16 @@ def test_a_poisoned_update_is_skipped_and_never_saved(tmp_path: Path, capsys: py
     assert "3 consecutive non-finite steps" in line and "no checkpoint was written" in line
     assert [r["skipped"] for r in read_metrics(tmp_path / "run")] == [True, True, True]
     assert complete_checkpoints(tmp_path / "run") == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_weights_finite_finds_any_nan_or_infinity(bad: float | None) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 0, bias=False), torch.nn.Linear(4, 3))
+    model.requires_grad_(False)
+    model[2].weight.data = model[2].weight.data.to(torch.bfloat16)  # mixed dtypes, an empty weight
+    if bad is not None:
+        model[2].weight[1, 2] = bad
+    assert bool(weights_finite(model)) is (bad is None)
 
 
 # ------------------------------------------------------------------ 6. one line per failure

@@ -62,9 +62,10 @@ class _GroupedMMWgradInPlace(torch.autograd.Function):
         grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
         dx = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
-            accumulate_grouped_wgrad_(weight.grad, grad, x.contiguous(), offsets)
+            if weight.grad is None:  # the first contribution becomes .grad, as autograd would make it
+                weight.grad = torch._grouped_mm(grad.t(), x, offs=offsets)
+            else:
+                accumulate_grouped_wgrad_(weight.grad, grad, x.contiguous(), offsets)
         # no gradient for `weight`: autograd still runs its AccumulateGrad node with nothing to add, and with it
         # the post-accumulate-grad hooks (the ddp stack's bucket hooks), after the in-place addition above
         return dx, None, None

@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from moeforge.config import Config
-from moeforge.model.moe.experts import GroupedExperts
 from moeforge.parallel.flat_shards import Stage
 from moeforge.parallel.grad_buckets import GradReducer
 from moeforge.parallel.mesh import MoEMesh
@@ -31,8 +30,6 @@ class DDPStack(TrainingStack):
         p = cfg.parallel
         grad_dtype = DTYPES[p.grad_reduce_dtype]
         self.reducer = GradReducer(model, mesh, p.bucket_size_mb, overlap=p.overlap_grad_reduce, grad_dtype=grad_dtype)
-        if p.grad_accumulation_fusion and p.pp == 1:
-            enable_wgrad_in_place(model, self.reducer)
         o = cfg.optim
         self.optimizer = DistributedOptimizer(
             scale_initial_lr(optimizer_param_groups(model, o), o.lr),
@@ -73,21 +70,3 @@ class DDPStack(TrainingStack):
             fqn, kind = key.rsplit(".", 1)
             nested.setdefault(fqn, {})[kind] = v
         self.optimizer.load_sharded_state_dict(nested)
-
-
-def enable_wgrad_in_place(model: nn.Module, reducer: GradReducer) -> int:
-    """Let the routed experts add their weight gradients into their gradient buckets in place (where
-    :func:`~moeforge.ops.grouped_gemm.can_wgrad_in_place` holds at run time: fp32 on a CPU with MKL).
-
-    Only experts whose buckets hold ``.grad`` as a view of the buffer (not the bf16 "main grad" mode)
-    qualify; pipeline parallelism is left out because its zero-bubble schedules compute weight
-    gradients with ``torch.autograd.grad``, which an in-place accumulation bypasses. Returns how many
-    expert modules were switched.
-    """
-    direct = {id(e.param) for b in reducer.buckets if not b.main_grad for e in b.entries}
-    n = 0
-    for m in model.modules():
-        if isinstance(m, GroupedExperts) and id(m.w1) in direct and id(m.w2) in direct:
-            m.wgrad_in_place = True
-            n += 1
-    return n

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from moeforge.config import Config
+from moeforge.model.moe.experts import GroupedExperts
 from moeforge.parallel.activation_checkpoint import apply_activation_checkpointing
 from moeforge.parallel.compile import apply_compile
 from moeforge.parallel.context import parallelize_context
@@ -36,8 +37,25 @@ def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
     parallelize_context(model, mesh)  # type: ignore[arg-type]
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     apply_compile(model, cfg.train.compile)
+    if cfg.parallel.grad_accumulation_fusion and cfg.parallel.pp == 1 and not fsdp:
+        enable_wgrad_in_place(model)
     if fsdp:
         return FSDPStack(model, cfg, mesh)
     if not mesh.distributed and cfg.train.param_dtype == "fp32":
         return LocalStack(model, cfg)
     return DDPStack(model, cfg, mesh)
+
+
+def enable_wgrad_in_place(model: nn.Module) -> int:
+    """Let the routed experts add their weight gradients into ``.grad`` in place (gradient-accumulation fusion,
+    where :func:`~moeforge.ops.grouped_gemm.can_wgrad_in_place` holds at run time: fp32 on a CPU with MKL).
+
+    For the stacks that read gradients from ``.grad`` after ``backward()``: the local one and ddp. FSDP2's
+    parameters are DTensors it reduces itself, and pipeline parallelism is left out because its zero-bubble
+    schedules compute weight gradients with ``torch.autograd.grad``, which an in-place addition bypasses.
+    Returns how many expert modules were switched.
+    """
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in experts:
+        m.wgrad_in_place = True
+    return len(experts)
