@@ -6,6 +6,7 @@ import platform
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from moeforge.model.moe import GroupedExperts
 from moeforge.ops.grouped_gemm import can_wgrad_in_place, grouped_mm, grouped_mm_wgrad_in_place
@@ -113,3 +114,28 @@ def test_in_place_with_no_grad_yet_creates_it() -> None:
     grouped_mm(xr, ref.transpose(-2, -1), offsets).sum().backward()
     torch.testing.assert_close(w.grad, ref.grad)
     torch.testing.assert_close(x.grad, xr.grad)
+
+
+@pytest.mark.parametrize("wrap", ["saved_tensor_hooks", "activation_checkpoint"])
+@pytest.mark.parametrize("grad_held", [False, True])
+def test_in_place_reaches_the_parameter_under_saved_tensor_hooks(wrap: str, grad_held: bool) -> None:
+    # Under saved-tensor hooks (the trainer's memory meter, activation checkpointing) a saved leaf is unpacked as a
+    # new tensor: the gradient must still land in the parameter's own .grad
+    fused, plain = _experts(True), _experts(False)
+    if grad_held:
+        for m in (fused, plain):
+            for p in m.parameters():
+                p.grad = torch.ones_like(p)
+    offsets = torch.tensor([10, 10, 25, 40, 41, 60], dtype=torch.int32)
+    x = torch.randn(60, 16)
+    for m in (fused, plain):
+        xi = x.clone().requires_grad_()
+        if wrap == "saved_tensor_hooks":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                out = m(xi, offsets)
+        else:
+            out = torch.utils.checkpoint.checkpoint(m, xi, offsets, use_reentrant=False)
+        out.square().sum().backward()
+    for a, b in zip(fused.parameters(), plain.parameters()):
+        assert a.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-5)

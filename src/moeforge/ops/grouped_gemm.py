@@ -53,12 +53,16 @@ class _GroupedMMWgradInPlace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight, offsets)
+        ctx.save_for_backward(x, offsets)
+        # the parameter itself, not through save_for_backward: under saved-tensor hooks (the memory meter,
+        # activation checkpointing) a saved leaf comes back as a new tensor whose .grad is not the parameter's
+        ctx.weight = weight
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
-        x, weight, offsets = ctx.saved_tensors
+        x, offsets = ctx.saved_tensors
+        weight = ctx.weight
         grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
         dx = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
