@@ -96,8 +96,7 @@ def grouped_mm_wgrad_in_place(x: Tensor, weight: nn.Parameter, offsets: Tensor) 
     """``grouped_mm(x, weight.transpose(-2, -1), offsets)`` whose backward accumulates the gradient of ``weight``
     (``(G, N, K)``) straight into ``weight.grad`` with one MKL call (gradient-accumulation fusion); the
     parameter's post-accumulate-grad hooks run after it as usual. Autograd receives no gradient for ``weight``, so
-    use it only
-    where the gradient is read from ``.grad`` after ``backward()`` (not ``torch.autograd.grad``); see
+    use it only where the gradient is read from ``.grad`` after ``backward()`` (not ``torch.autograd.grad``); see
     :func:`can_wgrad_in_place` for where it applies."""
     return _GroupedMMWgradInPlace.apply(x, weight, offsets)
 
