@@ -2,10 +2,12 @@
 
 import math
 
+import pytest
 import torch
 
 from moeforge.config import MoEConfig
 from moeforge.model.moe.router import TopKRouter
+from moeforge.ops.router_scores import softmax_router_scores, softmax_router_scores_reference
 
 
 def _router(**kw) -> TopKRouter:
@@ -86,3 +88,56 @@ def test_jitter_only_in_training() -> None:
     r.train()
     torch.manual_seed(0)
     assert not torch.equal(r(x).weights, r(x).weights)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("coefs", [(1.0, 0.3, 0.7), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1.0, 0.0, 0.0)])
+def test_fused_softmax_router_backward_equals_autograd(norm: bool, coefs: tuple[float, float, float]) -> None:
+    """ops.router_scores' one-pass backward against autograd through the reference: equal forward values,
+    gradients of the logits equal to rounding, for each loss term alone and all together."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(50, 16, generator=gen) * 2).requires_grad_(True)
+    indices = logits.detach().topk(4, dim=-1).indices
+    route_frac = torch.rand(16, generator=gen)
+    gw = torch.randn(50, 4, generator=gen) * coefs[0]
+    probs = logits.detach().softmax(-1)
+    results = []
+    for fn in (softmax_router_scores_reference, softmax_router_scores):
+        p = logits.softmax(-1) if fn is softmax_router_scores_reference else probs
+        weights, aux, z = fn(logits, p, indices, route_frac, norm)
+        (grad,) = torch.autograd.grad((weights * gw).sum() + coefs[1] * aux + coefs[2] * z, [logits])
+        results.append((weights, aux, z, grad))
+    (w0, a0, z0, g0), (w1, a1, z1, g1) = results
+    assert torch.equal(w0, w1) and torch.equal(a0, a1) and torch.equal(z0, z1)
+    assert g0.abs().max() > 0
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_softmax_router_is_used_and_matches_old_forward() -> None:
+    """The router takes the fused node for softmax scores (one autograd node, no logits kept for logsumexp)
+    and its outputs and gradients equal the formulas of test_aux_and_z_loss_formulas differentiated by autograd."""
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    r = _router(num_experts=8, top_k=2, norm_topk_prob=True)
+    out = r(x)
+    assert type(out.weights.grad_fn).__name__ == "_SoftmaxRouterScoresBackward"
+    loss = out.weights[:, 0].sum() + 0.01 * out.aux_loss + 0.001 * out.z_loss
+    dx, dw = torch.autograd.grad(loss, [x, r.weight])
+    logits = x @ r.weight.T
+    probs = logits.softmax(-1)
+    chosen = probs.gather(1, out.indices)
+    weights = chosen / chosen.sum(-1, keepdim=True)
+    f = torch.bincount(out.indices.flatten(), minlength=8).float() / 80
+    z = torch.logsumexp(logits, -1).square().mean()
+    ref = weights[:, 0].sum() + 0.01 * 8 * (f * probs.mean(0)).sum() + 0.001 * z
+    want_dx, want_dw = torch.autograd.grad(ref, [x, r.weight])
+    torch.testing.assert_close(dx, want_dx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw, want_dw, rtol=1e-5, atol=1e-6)
+
+
+def test_router_without_grad_and_sigmoid_keep_autograd_path() -> None:
+    """Under no_grad the fused node is not built; sigmoid scores keep the plain autograd ops."""
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert _router()(x).weights.grad_fn is None
+    out = _router(score_func="sigmoid")(x.requires_grad_(True))
+    assert "SoftmaxRouterScores" not in type(out.weights.grad_fn).__name__

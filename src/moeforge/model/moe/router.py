@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeforge.config import MoEConfig
+from moeforge.ops.router_scores import softmax_router_scores
 
 
 @dataclass
@@ -94,7 +95,11 @@ class TopKRouter(nn.Module):
             x = x * torch.empty_like(x).uniform_(1 - self.cfg.jitter_eps, 1 + self.cfg.jitter_eps)
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())
-        if self.cfg.score_func == "softmax":
+        # the softmax router's weights and losses in one autograd node (ops.router_scores): probs without autograd
+        fused = self.cfg.score_func == "softmax" and self.token_stats_reduce is None and x.shape[0] > 0
+        if fused:
+            scores = probs = logits.detach().softmax(dim=-1)
+        elif self.cfg.score_func == "softmax":
             scores = logits.softmax(dim=-1)
             probs = scores
         else:
@@ -104,11 +109,12 @@ class TopKRouter(nn.Module):
             indices = self._random_indices(x.shape[0], x.device)
         else:
             indices = self._select(scores.detach())
-        weights = scores.gather(1, indices)
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
         counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
         counts.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=x.device))
+        if not fused:
+            weights = scores.gather(1, indices)
+            if self.cfg.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.token_stats_reduce is not None:
             aux, z = self._reduced_losses(logits, probs, counts)
             return RouterOutput(indices, weights, aux, z, counts)
@@ -117,6 +123,11 @@ class TopKRouter(nn.Module):
         else:  # every route of the sequences counted once (equal token counts per rank)
             seq_counts = self.reduce_counts(counts.clone())
             n_routes = seq_counts.sum().clamp_min(1.0)
+        if fused:
+            weights, aux, z = softmax_router_scores(
+                logits, probs, indices, seq_counts / n_routes, self.cfg.norm_topk_prob
+            )
+            return RouterOutput(indices, weights, aux, z, counts)
         aux = self.num_experts * (seq_counts / n_routes * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean() if x.shape[0] else logits.sum()
         return RouterOutput(indices, weights, aux, z, counts)
