@@ -335,3 +335,29 @@ def test_convert_to_hf_safetensors_and_back(tmp_path: Path, flavor: str, qk_norm
         torch.testing.assert_close(trainer.model.eval()(ids), want, rtol=0, atol=1e-5)
     last = trainer.fit()
     assert last["step"] == 3 and [p.name for p in complete_checkpoints(new_run)][-1] == "step_00000003"
+
+
+def test_parallel_crc32_equals_zlib_and_names_the_corrupt_file(tmp_path: Path) -> None:
+    """describe_files checksums a directory's files in threads: each CRC32 is zlib's of that file (empty and
+    multi-chunk files included), and verification names the one damaged file among several."""
+    import zlib
+
+    from moeforge.train import checkpoint_store as store
+
+    sizes = {"a.distcp": 0, "b.distcp": 5_000_000, "c.distcp": 123_457, ".metadata": 10}
+    for i, (name, size) in enumerate(sizes.items()):
+        (tmp_path / name).write_bytes(
+            bytes((i * 7 + j) % 251 for j in range(size)) if size < 200_000 else os.urandom(size)
+        )
+    files = store.describe_files(tmp_path)
+    assert sorted(files) == sorted(sizes)
+    for name, info in files.items():
+        data = (tmp_path / name).read_bytes()
+        assert info == {"bytes": len(data), "crc32": zlib.crc32(data)}
+    assert store.files_crc32([tmp_path / n for n in sizes]) == [files[n]["crc32"] for n in sizes]
+    (tmp_path / store.MANIFEST).write_text(json.dumps({"format": store.FORMAT, "files": files}))
+    blob = bytearray((tmp_path / "c.distcp").read_bytes())
+    blob[777] ^= 0x01
+    (tmp_path / "c.distcp").write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=r"c\.distcp is corrupt: CRC32"):
+        verify_checkpoint(tmp_path)
