@@ -1,9 +1,9 @@
 """The CPU group alignment on the layer of ``moeforge bench --compare hf_layer``: moeforge's MoE layer
-with ``cpu_group_align`` 64 and 1 (off) against HF's ``Qwen3MoeSparseMoeBlock`` on the same weights
+with each ``cpu_group_align`` given (default 64 and 1, 1: off) against HF's ``Qwen3MoeSparseMoeBlock`` on the same weights
 and inputs (d_model 512, 8 experts top-2, expert hidden 1024, 4096 tokens, bf16, one thread),
 forward + backward, alternating in one process (the order flips every round).
 
-    PYTHONPATH=src python scripts/bench_layer_align.py OUT.json
+    PYTHONPATH=src python scripts/bench_layer_align.py OUT.json [ALIGN,ALIGN,...]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from moeforge.config import MoEConfig
 from moeforge.train.environment import collect_env
 
 
-def main(out: str, rounds: int = 12, warmup: int = 2) -> None:
+def main(out: str, aligns: tuple[int, ...] = (64, 1), rounds: int = 12, warmup: int = 2) -> None:
     """Write the median seconds of each layer and the speed ratios to ``out``."""
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
@@ -32,8 +32,9 @@ def main(out: str, rounds: int = 12, warmup: int = 2) -> None:
         )
         return build_layer(512, moe, 0, torch.bfloat16, cpu)
 
-    layers = {"aligned64": layer(64), "unaligned": layer(1)}
-    layers["hf"] = hf_moe_block(layers["aligned64"])
+    names = {align: f"aligned{align}" if align > 1 else "unaligned" for align in aligns}
+    layers = {names[align]: layer(align) for align in aligns}
+    layers["hf"] = hf_moe_block(layers[names[aligns[0]]])
     x, grad = layer_inputs(4096, 512, 0, torch.bfloat16, cpu)
     times: dict[str, list[float]] = {name: [] for name in layers}
     for r in range(rounds):
@@ -44,10 +45,10 @@ def main(out: str, rounds: int = 12, warmup: int = 2) -> None:
                 times[name].append(time.perf_counter() - start)
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {
-        "command": f"PYTHONPATH=src python scripts/bench_layer_align.py {out}",
+        "command": f"PYTHONPATH=src python scripts/bench_layer_align.py {out} {','.join(map(str, aligns))}",
         "s": times,
         "median_s": med,
-        "speed_over_hf": {name: med["hf"] / med[name] for name in ("aligned64", "unaligned")},
+        "speed_over_hf": {name: med["hf"] / med[name] for name in names.values()},
         "env": collect_env(),
     }
     sys.stdout.write(json.dumps(result["speed_over_hf"]) + "\n")
@@ -56,4 +57,4 @@ def main(out: str, rounds: int = 12, warmup: int = 2) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(int(a) for a in sys.argv[2].split(",")) if len(sys.argv) > 2 else (64, 1))
