@@ -1,6 +1,6 @@
 """The CPU group alignment on the layer of ``moeforge bench --compare hf_layer``: moeforge's MoE layer
-with each ``cpu_group_align`` given (default 64 and 1, 1: off) against HF's ``Qwen3MoeSparseMoeBlock`` on the same weights
-and inputs (d_model 512, 8 experts top-2, expert hidden 1024, 4096 tokens, bf16, one thread),
+with each ``cpu_group_align`` given (default 64 and 1, 1: off) against HF's ``Qwen3MoeSparseMoeBlock``
+on the same weights and inputs (d_model 512, 8 experts top-2, expert hidden 1024, 4096 tokens, bf16, one thread),
 forward + backward, alternating in one process (the order flips every round).
 
     PYTHONPATH=src python scripts/bench_layer_align.py OUT.json [ALIGN,ALIGN,...]
