@@ -40,3 +40,22 @@ def test_chunked_cross_entropy_under_autocast_and_without_grad() -> None:
         torch.testing.assert_close(lm_loss_fn(logits, targets), expected)
     with torch.no_grad():
         torch.testing.assert_close(lm_loss_fn(logits, targets), expected)
+
+
+def test_chunked_cross_entropy_gradient_is_computed_in_forward_and_handed_on_once() -> None:
+    """The gradient comes from the forward, scaled by the incoming gradient (1 or not) in backward; the graph
+    can be differentiated once: a second backward raises instead of handing on a gradient already used."""
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(50, 33, generator=g) * 2).requires_grad_()
+    targets = torch.randint(0, 33, (50,), generator=g)
+    ref = logits.detach().clone().requires_grad_()
+    F.cross_entropy(ref, targets).backward()
+    assert ref.grad is not None
+    for scale in (1.0, 3.0):
+        logits.grad = None
+        loss = lm_loss_fn(logits, targets)
+        (scale * loss).backward(retain_graph=True)
+        assert logits.grad is not None
+        torch.testing.assert_close(logits.grad, scale * ref.grad, rtol=1e-5, atol=1e-8)
+        with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+            loss.backward()

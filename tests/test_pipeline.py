@@ -74,6 +74,13 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
+#: AdamW divides each gradient element by its own running RMS, so where an element's gradient is near zero a
+#: rounding difference (the schedules sum micro-batches in another order) moves that element by up to about
+#: 1e-4 of a step: 1e-6 at tiny_config's lr of 0.01. A real pipeline error (a lost or doubled micro-batch)
+#: moves parameters by a sizeable fraction of a step.
+ADAM_ROUNDING_ATOL = 1e-6
+
+
 def assert_runs_match(
     root: Path, ref: list[dict], ref_params: dict[str, torch.Tensor], names: list[str], steps: int
 ) -> None:
@@ -95,7 +102,7 @@ def assert_runs_match(
         assert set(params) == set(ref_params), name
         for k, v in ref_params.items():
             err = (params[k] - v).abs().max().item()
-            assert err <= 1e-5 * max(v.abs().max().item(), 1e-6), (name, k, err)
+            assert err <= 1e-5 * max(v.abs().max().item(), 1e-6) + ADAM_ROUNDING_ATOL, (name, k, err)
 
 
 def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 from moeforge.model import MoETransformer
@@ -33,11 +34,20 @@ CE_CHUNK_ELEMENTS = 1 << 17
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``(N, V)`` logits of any float dtype, in fp32, a chunk of rows at a time.
 
-    Forward keeps one fp32 log-sum-exp per row; backward recomputes each chunk's softmax from the logits
-    and writes its gradient straight into the logits' dtype. Nothing of size ``N x V`` is allocated but
-    the gradient, where ``F.cross_entropy`` on an fp32 copy allocates the copy, the log-softmax and two
-    gradients of that size (on this CPU fresh pages cost as much as the arithmetic). Targets equal to
-    ``ignore_index`` count for nothing, as in ``F.cross_entropy``.
+    The forward computes the gradient too, in the same pass over each chunk: the loss is a scalar, so its
+    gradient is the softmax minus the one-hot target, scaled, whatever comes after; only the incoming
+    scalar is unknown, and backward multiplies it in (nothing to do when it is 1). Per chunk, one ``exp``
+    over ``x - max`` gives both the log-sum-exp and the softmax, which is written straight into the
+    logits' dtype, rounded once. Against a backward that recomputes the softmax, this spares one ``exp``
+    and one upcast pass over the logits (``scripts/bench_ce_chunks.py``, docs/benchmarks.md), and the
+    logits are not kept for backward: the gradient, allocated in forward instead, takes their place.
+    Nothing else of size ``N x V`` is allocated, where ``F.cross_entropy`` on an fp32 copy allocates the
+    copy, the log-softmax and two gradients of that size. Targets equal to ``ignore_index`` count for
+    nothing, as in ``F.cross_entropy``. Without grad (evaluation) no gradient is computed.
+
+    Backward hands the stored gradient on (autograd may then accumulate into it) after multiplying the
+    incoming scale into it in place, so the graph can be differentiated once only: a second backward
+    (``retain_graph``) raises.
     """
 
     @staticmethod
@@ -46,30 +56,40 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         rows = max(1, CE_CHUNK_ELEMENTS // vocab)
         valid = targets != ignore_index
         safe = targets.masked_fill(~valid, 0)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        picked = torch.empty(n, dtype=torch.float32, device=logits.device)
-        for s in range(0, n, rows):
-            chunk = logits[s : s + rows].float()
-            torch.logsumexp(chunk, -1, out=lse[s : s + rows])
-            picked[s : s + rows] = chunk.gather(1, safe[s : s + rows, None]).squeeze(1)
         count = valid.sum()
-        ctx.save_for_backward(logits, safe, valid, lse, count)
-        ctx.rows = rows
+        picked = logits.gather(1, safe[:, None]).squeeze(1).float()
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        scale = valid.float() / count  # per row: d loss / d (lse - picked)
+        buf = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, rows):
+            x = logits[s : s + rows]
+            e = buf[: x.shape[0]]
+            top = x.amax(-1, keepdim=True).float()
+            torch.sub(x, top, out=e)  # promotes bf16 logits to fp32 in the same pass (no separate cast)
+            e.exp_()
+            total = e.sum(-1, keepdim=True)
+            torch.add(top, total.log(), out=lse[s : s + rows, None])
+            if grad is not None:
+                # (exp - total * one-hot) * scale / total = (softmax - one-hot) * scale, rounded once on the way out
+                e.scatter_add_(1, safe[s : s + rows, None], -total)
+                torch.mul(e, scale[s : s + rows, None] / total, out=grad[s : s + rows])
+        ctx.save_for_backward(grad)
+        ctx.spent = False
         return torch.where(valid, lse - picked, 0.0).sum() / count
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
-        logits, safe, valid, lse, count = ctx.saved_tensors
-        scale = valid.float() * (grad_out.float() / count)  # per row: d loss / d (lse - picked)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        in_place = logits.dtype == torch.float32  # fp32: computed in the gradient's own rows
-        for s in range(0, logits.shape[0], ctx.rows):
-            e = s + ctx.rows
-            # logits - lse promotes to fp32 in the same pass that reads bf16 logits (no separate cast)
-            g = torch.sub(logits[s:e], lse[s:e, None], out=grad[s:e] if in_place else None)
-            g.exp_()  # softmax
-            g.scatter_add_(1, safe[s:e, None], torch.full_like(lse[s:e, None], -1.0))  # minus the one-hot target
-            torch.mul(g, scale[s:e, None], out=grad[s:e])  # scaled and, for bf16, rounded once on the way out
+        if ctx.spent:
+            raise RuntimeError(
+                "ChunkedCrossEntropy: the first backward handed its stored gradient on, so this graph cannot be "
+                "differentiated again; drop retain_graph"
+            )
+        (grad,) = ctx.saved_tensors
+        ctx.spent = True
+        if bool(grad_out != 1):  # a CPU scalar: reading it costs nothing
+            grad.mul_(grad_out)
         return grad, None, None
 
 
@@ -87,6 +107,8 @@ def lm_loss_fn(logits: Tensor, targets: Tensor, upcast: bool = True) -> Tensor:
         return vocab_parallel_cross_entropy(logits, targets)
     flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     if logits.device.type == "cpu":
+        if not torch.is_grad_enabled():  # evaluation: its forward computes no gradient then
+            flat = flat.detach()
         return ChunkedCrossEntropy.apply(flat, flat_targets)
     if upcast:
         flat = flat.float()
