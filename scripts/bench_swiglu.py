@@ -4,7 +4,9 @@ with ``reuse_input`` (the gradient written into the input's storage, as the expe
 1,024 bf16, the padded rows of ``--compare hf_layer``; one thread; the variants take turns each round;
 each pass gets a fresh copy of the input, made before its clock starts).
 
-    PYTHONPATH=src python scripts/bench_swiglu.py OUT.json [--rounds 9]
+    PYTHONPATH=src python scripts/bench_swiglu.py OUT.json [--rounds 9] [--tokens 8704] [--hidden 1024]
+
+``--tokens`` / ``--hidden`` set another shape (``--compare hf``'s step: about 9,000 x 2 x 256).
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--tokens", type=int, default=8704, help="rows of the gate/up tensor")
+    ap.add_argument("--hidden", type=int, default=1024, help="expert hidden size F (the tensor is rows x 2F)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    h0 = torch.randn(8704, 2048, generator=g).bfloat16()
-    grad = torch.randn(8704, 1024, generator=g).bfloat16()
+    h0 = torch.randn(args.tokens, 2 * args.hidden, generator=g).bfloat16()
+    grad = torch.randn(args.tokens, args.hidden, generator=g).bfloat16()
 
     def run(fn: Callable[[Tensor], Tensor]) -> float:
         leaf = h0.clone().requires_grad_()
@@ -41,9 +45,9 @@ def main() -> None:
         return time.perf_counter() - t0
 
     fns: dict[str, Callable[[], float]] = {"reference": lambda: run(sw.swiglu_reference)}
-    for rows in (16, 32, 64, 128, 256, 8704):
+    for rows in (16, 32, 64, 128, 256, 512, args.tokens):
         fns[f"rows_{rows}"] = lambda r=rows: run(lambda h: sw._SwiGLU.apply(h, r, False))
-    fns[f"rows_{sw.SWIGLU_CPU_ROWS}_reuse_input"] = lambda: run(lambda h: sw.swiglu(h, reuse_input=True))
+    fns["default_reuse_input"] = lambda: run(lambda h: sw.swiglu(h, reuse_input=True))
     times: dict[str, list[float]] = {k: [] for k in fns}
     for i in range(args.rounds + 1):  # round 0 warms up, untimed
         for k in fns if i % 2 == 0 else reversed(list(fns)):
@@ -51,8 +55,9 @@ def main() -> None:
             if i:
                 times[k].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
-    result = {"threads": 1, "shape": [8704, 2048], "dtype": "bfloat16", "median_s": med, "s": times}
-    result["default_rows"] = sw.SWIGLU_CPU_ROWS
+    shape = [args.tokens, 2 * args.hidden]
+    result = {"threads": 1, "shape": shape, "dtype": "bfloat16", "median_s": med, "s": times}
+    result["default_rows"] = sw.cpu_block_rows(h0)
     sys.stdout.write(", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in med.items()) + "\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

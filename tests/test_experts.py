@@ -58,12 +58,14 @@ def test_experts_grouped_equals_loop(autocast: bool) -> None:
     assert torch.count_nonzero(fast.w1.grad[1]) == 0  # empty expert gets a zero gradient
 
 
-def test_swiglu_equals_the_autograd_reference_to_the_bit() -> None:
-    """The blocked SwiGLU (in place gradient halves, 64-row blocks on the CPU) against autograd's version:
+def test_swiglu_equals_the_autograd_reference_to_the_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocked SwiGLU (in place gradient halves, blocks of rows on the CPU) against autograd's version:
     same values and gradients bit for bit, in fp32 and bf16, with a partial last block and with no rows,
     with the gradient in a fresh tensor and (``reuse_input``) written into the input's own storage."""
+    from moeforge.ops import swiglu as swiglu_module
     from moeforge.ops.swiglu import swiglu, swiglu_reference
 
+    monkeypatch.setattr(swiglu_module, "SWIGLU_CPU_BLOCK_BYTES", 1)  # the 64-row floor: 150 rows end in a partial block
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (150, 0):
@@ -81,6 +83,17 @@ def test_swiglu_equals_the_autograd_reference_to_the_bit() -> None:
                 assert torch.equal(a.grad, b.grad)
                 if rows:
                     assert (grad_ptrs[0] == private.data_ptr()) == reuse  # the gradient took h's storage, or not
+
+
+def test_swiglu_cpu_blocks_hold_a_fixed_number_of_bytes_and_at_least_64_rows() -> None:
+    from moeforge.ops.swiglu import SWIGLU_CPU_BLOCK_BYTES, cpu_block_rows
+
+    wide = torch.empty(10, 2 * 1024, dtype=torch.bfloat16)  # the layer benchmark's experts: 4 KB a row
+    narrow = torch.empty(10, 2 * 256, dtype=torch.bfloat16)  # --compare hf's step: 1 KB a row
+    assert cpu_block_rows(wide) == SWIGLU_CPU_BLOCK_BYTES // 4096 == 64
+    assert cpu_block_rows(narrow) == 4 * cpu_block_rows(wide)
+    assert cpu_block_rows(narrow.float()) == 2 * cpu_block_rows(wide)
+    assert cpu_block_rows(torch.empty(3, 2 * 8192)) == 64  # never fewer than 64 rows
 
 
 def test_swiglu_reuse_input_refuses_a_second_backward() -> None:

@@ -21,8 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-#: rows per block on the CPU: 64 rows of a 2 x 1024 bf16 gate/up are 256 KB, an L2-sized working set
-SWIGLU_CPU_ROWS = 64
+#: bytes of the gate/up tensor per block on the CPU: an L2-sized working set (64 rows of a 2 x 1024 bf16 gate/up)
+SWIGLU_CPU_BLOCK_BYTES = 256 * 1024
+
+
+def cpu_block_rows(h: Tensor) -> int:
+    """Rows of ``h`` per block on the CPU: as many as fit :data:`SWIGLU_CPU_BLOCK_BYTES`, at least 64, so narrow
+    experts do not pay the per-call overhead of many tiny blocks."""
+    return max(64, SWIGLU_CPU_BLOCK_BYTES // max(1, h.shape[-1] * h.element_size()))
 
 
 def swiglu_reference(h: Tensor) -> Tensor:
@@ -81,5 +87,5 @@ def swiglu(h: Tensor, reuse_input: bool = False) -> Tensor:
     gradient into ``h``'s storage (see the module's docstring)."""
     if torch.compiler.is_compiling():
         return swiglu_reference(h)
-    rows = SWIGLU_CPU_ROWS if h.device.type == "cpu" else max(1, h.shape[0])
+    rows = cpu_block_rows(h) if h.device.type == "cpu" else max(1, h.shape[0])
     return _SwiGLU.apply(h, rows, reuse_input)
