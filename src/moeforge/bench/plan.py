@@ -102,7 +102,8 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
       for rowwise dispatch, else 1);
     - dense FFN block: ``3 d + 4 F_dense``;
     - after the blocks: ``3 d`` (final norm) + ``V`` (what the cross-entropy keeps for backward,
-      in the logits' dtype: the logits themselves on the CPU, the log-softmax elsewhere).
+      in the logits' dtype: on the CPU the logits' gradient, computed in its forward; the log-softmax
+      elsewhere).
 
     With checkpointing each block keeps only its input (``d``) and one block at a time
     is recomputed during backward, so the peak is the inputs plus the largest block
