@@ -2,7 +2,7 @@
 check take off it. One thread, one process; the compared cases alternate within each round.
 
     PYTHONPATH=src python scripts/bench_wgrad_fusion.py OUT.json
-    PYTHONPATH=src python scripts/bench_wgrad_fusion.py OUT.json --precision bf16 [--config configs/bench/hf.yaml]
+    PYTHONPATH=src python scripts/bench_wgrad_fusion.py OUT.json --precision bf16   # part 3 only, bf16 autocast
 
 1. The routed experts alone (``GroupedExperts`` forward + backward, d_model 128, hidden 128 as in
    ``configs/bench/experts.yaml``) with ``.grad`` already held, as the ddp stack's bucket views are:
@@ -16,13 +16,11 @@ check take off it. One thread, one process; the compared cases alternate within 
    (all with the new finite check). Four models in one process share its allocator, which costs the
    128-expert ones more than separate processes do: compare fusion off against on here, and take the
    8 -> 128 ratio from ``moeforge bench --sweep``. With ``--precision bf16`` only this part runs, under bf16
-   autocast (``train.precision=bf16``), where the fusion adds the bf16 weight gradients into the fp32 ``.grad``;
-   ``--config`` takes another model (its expert count is still set to 8 and 128).
+   autocast (``train.precision=bf16``), where the fusion adds the bf16 weight gradients into the fp32 ``.grad``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -108,14 +106,12 @@ def finite_check(trainer: Trainer, rounds: int = 15) -> dict:
     return {"param_bytes": nbytes, "times_s": times, "median_ms": {k: _median_ms(v) for k, v in times.items()}}
 
 
-def training_steps(
-    run_dir: Path, rounds: int = 10, precision: str = "fp32", config: str = CONFIG
-) -> tuple[dict, Trainer]:
+def training_steps(run_dir: Path, rounds: int = 10, precision: str = "fp32") -> tuple[dict, Trainer]:
     trainers = {}
     for e in (8, 128):
         for fused in (False, True):
             cfg = load_config(
-                config,
+                CONFIG,
                 [
                     f"--model.moe.num_experts={e}",
                     "--parallel.ep=1",
@@ -134,16 +130,15 @@ def training_steps(
     return {"times_s": times, "median_ms": {k: _median_ms(v) for k, v in times.items()}}, trainers["E=128 fusion on"]
 
 
-def main(out: str, precision: str = "fp32", config: str = CONFIG) -> None:
+def main(out: str, precision: str = "fp32") -> None:
     """Write every timing to ``out``; print the medians."""
     torch.set_num_threads(1)
     flag = "" if precision == "fp32" else f" --precision {precision}"
-    flag += "" if config == CONFIG else f" --config {config}"
     result: dict = {"command": f"PYTHONPATH=src python scripts/bench_wgrad_fusion.py {out}{flag}"}
     if precision == "fp32":
         result["experts_alone"] = experts_alone()
     with tempfile.TemporaryDirectory() as run_dir:  # the trainers' run directories (metrics, locks)
-        result["steps"], trainer = training_steps(Path(run_dir), precision=precision, config=config)
+        result["steps"], trainer = training_steps(Path(run_dir), precision=precision)
         if precision == "fp32":
             result["finite_check"] = finite_check(trainer)
     result["env"] = collect_env()
@@ -153,7 +148,7 @@ def main(out: str, precision: str = "fp32", config: str = CONFIG) -> None:
             f"experts alone, {part['rows']} rows: " + json.dumps({k: round(v, 2) for k, v in part["median_ms"].items()})
         )
     lines.append(
-        f"training step, {config}, {precision}: "
+        f"training step, batch 16, {precision}: "
         + json.dumps({k: round(v, 1) for k, v in result["steps"]["median_ms"].items()})
     )
     if "finite_check" in result:
@@ -170,9 +165,4 @@ def main(out: str, precision: str = "fp32", config: str = CONFIG) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--config", default=CONFIG)
-    args = parser.parse_args()
-    main(args.out, args.precision, args.config)
+    main(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--precision" else "fp32")
