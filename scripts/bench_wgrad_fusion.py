@@ -2,7 +2,6 @@
 check take off it. One thread, one process; the compared cases alternate within each round.
 
     PYTHONPATH=src python scripts/bench_wgrad_fusion.py OUT.json
-    PYTHONPATH=src python scripts/bench_wgrad_fusion.py OUT.json --precision bf16   # part 3 only, bf16 autocast
 
 1. The routed experts alone (``GroupedExperts`` forward + backward, d_model 128, hidden 128 as in
    ``configs/bench/experts.yaml``) with ``.grad`` already held, as the ddp stack's bucket views are:
@@ -15,8 +14,7 @@ check take off it. One thread, one process; the compared cases alternate within 
    micro-batches), fusion off and on, at 8 and 128 experts, the same batches for all four trainers
    (all with the new finite check). Four models in one process share its allocator, which costs the
    128-expert ones more than separate processes do: compare fusion off against on here, and take the
-   8 -> 128 ratio from ``moeforge bench --sweep``. With ``--precision bf16`` only this part runs, under bf16
-   autocast (``train.precision=bf16``), where the fusion adds the bf16 weight gradients into the fp32 ``.grad``.
+   8 -> 128 ratio from ``moeforge bench --sweep``.
 """
 
 from __future__ import annotations
@@ -106,7 +104,7 @@ def finite_check(trainer: Trainer, rounds: int = 15) -> dict:
     return {"param_bytes": nbytes, "times_s": times, "median_ms": {k: _median_ms(v) for k, v in times.items()}}
 
 
-def training_steps(run_dir: Path, rounds: int = 10, precision: str = "fp32") -> tuple[dict, Trainer]:
+def training_steps(run_dir: Path, rounds: int = 10) -> tuple[dict, Trainer]:
     trainers = {}
     for e in (8, 128):
         for fused in (False, True):
@@ -119,7 +117,6 @@ def training_steps(run_dir: Path, rounds: int = 10, precision: str = "fp32") -> 
                     f"--train.run_dir={run_dir / f'E{e}_{fused}'}",
                     "--train.max_steps=1000",
                     "--logging.progress=false",
-                    f"--train.precision={precision}",
                 ],
             )
             trainers[f"E={e} fusion {'on' if fused else 'off'}"] = Trainer(cfg)
@@ -130,33 +127,28 @@ def training_steps(run_dir: Path, rounds: int = 10, precision: str = "fp32") -> 
     return {"times_s": times, "median_ms": {k: _median_ms(v) for k, v in times.items()}}, trainers["E=128 fusion on"]
 
 
-def main(out: str, precision: str = "fp32") -> None:
+def main(out: str) -> None:
     """Write every timing to ``out``; print the medians."""
     torch.set_num_threads(1)
-    flag = "" if precision == "fp32" else f" --precision {precision}"
-    result: dict = {"command": f"PYTHONPATH=src python scripts/bench_wgrad_fusion.py {out}{flag}"}
-    if precision == "fp32":
-        result["experts_alone"] = experts_alone()
+    result: dict = {"command": f"PYTHONPATH=src python scripts/bench_wgrad_fusion.py {out}"}
+    result["experts_alone"] = experts_alone()
     with tempfile.TemporaryDirectory() as run_dir:  # the trainers' run directories (metrics, locks)
-        result["steps"], trainer = training_steps(Path(run_dir), precision=precision)
-        if precision == "fp32":
-            result["finite_check"] = finite_check(trainer)
+        result["steps"], trainer = training_steps(Path(run_dir))
+        result["finite_check"] = finite_check(trainer)
     result["env"] = collect_env()
     lines = []
-    for part in result.get("experts_alone", []):
+    for part in result["experts_alone"]:
         lines.append(
             f"experts alone, {part['rows']} rows: " + json.dumps({k: round(v, 2) for k, v in part["median_ms"].items()})
         )
     lines.append(
-        f"training step, batch 16, {precision}: "
-        + json.dumps({k: round(v, 1) for k, v in result["steps"]["median_ms"].items()})
+        "training step, batch 16: " + json.dumps({k: round(v, 1) for k, v in result["steps"]["median_ms"].items()})
     )
-    if "finite_check" in result:
-        fc = result["finite_check"]
-        lines.append(
-            f"finite check over {fc['param_bytes'] / 1e6:.1f} MB: "
-            + json.dumps({k: round(v, 2) for k, v in fc["median_ms"].items()})
-        )
+    fc = result["finite_check"]
+    lines.append(
+        f"finite check over {fc['param_bytes'] / 1e6:.1f} MB: "
+        + json.dumps({k: round(v, 2) for k, v in fc["median_ms"].items()})
+    )
     result["summary"] = lines
     sys.stdout.write("\n".join(lines) + "\n")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -165,4 +157,4 @@ def main(out: str, precision: str = "fp32") -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--precision" else "fp32")
+    main(sys.argv[1])

@@ -161,7 +161,7 @@ class ParallelConfig:
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient buffers and their reduction (both stacks)
     fsdp_reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (last block keeps them)
     bucket_size_mb: float = 25.0  # ddp: gradient bucket size; 0: one bucket per transformer block
-    grad_accumulation_fusion: bool = True  # not fsdp, pp=1: CPU experts add weight grads into fp32 .grad in place
+    grad_accumulation_fusion: bool = True  # not fsdp, pp=1: fp32 CPU experts add weight grads into .grad in place
     ep_overlap_chunks: int = 1  # alltoall, ep > 1: tokens travel in this many chunks, overlapped with the experts
     timeout_s: float = 600.0  # collective timeout of the process groups
 

@@ -101,58 +101,6 @@ def grouped_mm_wgrad_in_place(x: Tensor, weight: nn.Parameter, offsets: Tensor) 
     return _GroupedMMWgradInPlace.apply(x, weight, offsets)
 
 
-class _GroupedMMCastWgradInPlace(torch.autograd.Function):
-    """``x @ weight[g].T`` per group in ``x``'s dtype (bf16) for an fp32 ``weight``; the backward adds the weight's
-    bf16 gradient into the fp32 ``weight.grad`` in place (an fp32 add of the exact upcast, so the same values as
-    autograd's cast-then-accumulate), without the fresh fp32 copy of it that autograd's cast would allocate."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:  # type: ignore[override]
-        w = weight.to(x.dtype)
-        ctx.save_for_backward(x, w, offsets)
-        ctx.weight = weight  # the parameter itself, as in _GroupedMMWgradInPlace
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        x, w, offsets = ctx.saved_tensors
-        weight = ctx.weight
-        grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
-        dx = torch._grouped_mm(grad, w, offs=offsets) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1]:
-            dw = torch._grouped_mm(grad.t(), x, offs=offsets)  # (G, N, K): the weight's own layout, in x's dtype
-            if weight.grad is None:
-                weight.grad = dw.to(weight.dtype)
-            else:
-                weight.grad.add_(dw)
-        return dx, None, None  # as in _GroupedMMWgradInPlace: AccumulateGrad still runs the hooks
-
-
-def can_cast_wgrad_in_place(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`grouped_mm_cast_wgrad_in_place` applies: bf16 ``x`` (autocast) on the CPU and an fp32 leaf
-    parameter whose ``.grad`` (if any) is a contiguous fp32 tensor, not under torch.compile."""
-    grad = weight.grad
-    return (
-        isinstance(weight, nn.Parameter)
-        and not isinstance(weight, DTensor)
-        and weight.is_leaf
-        and weight.requires_grad
-        and x.device.type == weight.device.type == "cpu"
-        and x.dtype == torch.bfloat16
-        and weight.dtype == torch.float32
-        and (grad is None or (grad.dtype == torch.float32 and grad.is_contiguous() and not isinstance(grad, DTensor)))
-        and not torch.compiler.is_compiling()
-    )
-
-
-def grouped_mm_cast_wgrad_in_place(x: Tensor, weight: nn.Parameter, offsets: Tensor) -> Tensor:
-    """``grouped_mm(x, weight.to(x.dtype).transpose(-2, -1), offsets)`` for bf16 ``x`` and an fp32 ``(G, N, K)``
-    ``weight`` (autocast), whose backward adds the bf16 weight gradient straight into the fp32 ``weight.grad``
-    (gradient-accumulation fusion in mixed precision). As with :func:`grouped_mm_wgrad_in_place`, read the
-    gradient from ``.grad`` after ``backward()``; :func:`can_cast_wgrad_in_place` says where it applies."""
-    return _GroupedMMCastWgradInPlace.apply(x, weight, offsets)
-
-
 @torch.compiler.disable
 def _grouped_mm_eager(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return _GroupedMM.apply(x, w, offsets)

@@ -48,8 +48,7 @@ def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:
 
 def enable_wgrad_in_place(model: nn.Module) -> int:
     """Let the routed experts add their weight gradients into ``.grad`` in place (gradient-accumulation fusion,
-    where :func:`~moeforge.ops.grouped_gemm.can_wgrad_in_place` holds at run time, fp32 on a CPU with MKL, or
-    :func:`~moeforge.ops.grouped_gemm.can_cast_wgrad_in_place`, bf16 autocast over fp32 weights on a CPU).
+    where :func:`~moeforge.ops.grouped_gemm.can_wgrad_in_place` holds at run time: fp32 on a CPU with MKL).
 
     For the stacks that read gradients from ``.grad`` after ``backward()``: the local one and ddp. FSDP2's
     parameters are DTensors it reduces itself, and pipeline parallelism is left out because its zero-bubble

@@ -9,14 +9,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moeforge.ops import grouped_mm, grouped_mm_loop
-from moeforge.ops.grouped_gemm import (
-    CPU_GROUP_ALIGN,
-    aligned_groups,
-    can_cast_wgrad_in_place,
-    can_wgrad_in_place,
-    grouped_mm_cast_wgrad_in_place,
-    grouped_mm_wgrad_in_place,
-)
+from moeforge.ops.grouped_gemm import CPU_GROUP_ALIGN, aligned_groups, can_wgrad_in_place, grouped_mm_wgrad_in_place
 from moeforge.ops.swiglu import swiglu
 
 
@@ -66,33 +59,31 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, offsets: Tensor, aligned: bool = False) -> Tensor:
         """Rows grouped by expert -> expert outputs. ``aligned``: the rows already sit in the padded layout
         of ``aligned_groups(..., row_alignment(x))`` with ``offsets`` its padded offsets, zeros between groups."""
+        w1, w2 = local_tensor(self.w1), local_tensor(self.w2)
         dtype = self.compute_dtype(x)
-        x = x.to(dtype)
+        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
         if self.gemm is not None:  # a low-precision GEMM installed by parallel code (it pads groups itself)
-            w1, w2 = local_tensor(self.w1).to(dtype), local_tensor(self.w2).to(dtype)
             return self._swiglu(self.gemm, x, w1, w2, offsets)
         align = 1 if aligned else self.row_alignment(x)
+        if self._use_wgrad_in_place(x, align):
+            h = grouped_mm_wgrad_in_place(x, self.w1, offsets)
+            return grouped_mm_wgrad_in_place(swiglu(h, reuse_input=True), self.w2, offsets)
         if align > 1 and x.shape[0]:
             # groups aligned to cpu_align rows, so oneDNN reuses its compiled kernels (see aligned_groups)
             pos, padded_offsets, total = aligned_groups(offsets, x.shape[0], align)
             padded = x.new_zeros(total, x.shape[1]).index_copy(0, pos, x)
-            return self._mlp(padded, padded_offsets, align).index_select(0, pos)
-        return self._mlp(x, offsets, align)
+            return self._swiglu(grouped_mm, padded, w1, w2, padded_offsets).index_select(0, pos)
+        return self._swiglu(grouped_mm if self.impl == "grouped" else grouped_mm_loop, x, w1, w2, offsets)
 
-    def _mlp(self, x: Tensor, offsets: Tensor, align: int) -> Tensor:
-        """gate/up GEMM, SwiGLU, down GEMM over rows already in ``x``'s compute dtype; the weights' gradients go
-        into ``.grad`` in place where gradient-accumulation fusion applies (fp32 through MKL; bf16 under autocast
-        into fp32 gradients)."""
-        fused = self.wgrad_in_place and self.impl == "grouped" and torch.is_grad_enabled()
-        if fused and align == 1 and can_wgrad_in_place(x, self.w1) and can_wgrad_in_place(x, self.w2):
-            h = grouped_mm_wgrad_in_place(x, self.w1, offsets)
-            return grouped_mm_wgrad_in_place(swiglu(h, reuse_input=True), self.w2, offsets)
-        if fused and can_cast_wgrad_in_place(x, self.w1) and can_cast_wgrad_in_place(x, self.w2):
-            h = grouped_mm_cast_wgrad_in_place(x, self.w1, offsets)
-            return grouped_mm_cast_wgrad_in_place(swiglu(h, reuse_input=True), self.w2, offsets)
-        w1, w2 = local_tensor(self.w1).to(x.dtype), local_tensor(self.w2).to(x.dtype)
-        mm = grouped_mm if self.impl == "grouped" or align > 1 else grouped_mm_loop
-        return self._swiglu(mm, x, w1, w2, offsets)
+    def _use_wgrad_in_place(self, x: Tensor, align: int) -> bool:
+        return (
+            self.wgrad_in_place
+            and self.impl == "grouped"
+            and align == 1
+            and torch.is_grad_enabled()
+            and can_wgrad_in_place(x, self.w1)
+            and can_wgrad_in_place(x, self.w2)
+        )
 
     @staticmethod
     def _swiglu(mm, x: Tensor, w1: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
