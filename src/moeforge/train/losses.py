@@ -63,18 +63,26 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
         scale = valid.float() / count  # per row: d loss / d (lse - picked)
         buf = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=logits.device)
+        upcast = logits.dtype != torch.float32
         for s in range(0, n, rows):
             x = logits[s : s + rows]
             e = buf[: x.shape[0]]
             top = x.amax(-1, keepdim=True).float()
-            torch.sub(x, top, out=e)  # promotes bf16 logits to fp32 in the same pass (no separate cast)
+            if upcast:  # into the fp32 chunk, then in place: a mixed-dtype sub would cast into a temporary first
+                e.copy_(x).sub_(top)
+            else:
+                torch.sub(x, top, out=e)
             e.exp_()
             total = e.sum(-1, keepdim=True)
             torch.add(top, total.log(), out=lse[s : s + rows, None])
             if grad is not None:
                 # (exp - total * one-hot) * scale / total = (softmax - one-hot) * scale, rounded once on the way out
                 e.scatter_add_(1, safe[s : s + rows, None], -total)
-                torch.mul(e, scale[s : s + rows, None] / total, out=grad[s : s + rows])
+                factor = scale[s : s + rows, None] / total
+                if upcast:
+                    grad[s : s + rows].copy_(e.mul_(factor))
+                else:
+                    torch.mul(e, factor, out=grad[s : s + rows])
         ctx.save_for_backward(grad)
         ctx.spent = False
         return torch.where(valid, lse - picked, 0.0).sum() / count
