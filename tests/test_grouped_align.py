@@ -99,3 +99,28 @@ def test_local_run_fused_padding_equals_dispatch_combine_autocast() -> None:
 def test_local_run_gathers_equal_dispatch_combine_fp32() -> None:
     for k in (1, 4):
         _run_both(torch.float32, autocast=False, k=k, align=16)
+
+
+def test_gather_routes_cast_first_equals_gather_then_cast() -> None:
+    """Under autocast the local dispatcher casts tokens to bf16 before gathering them into the padded rows; its
+    backward sums each token's routes in fp32 from the bf16 gradient. Both directions equal gathering fp32 rows
+    and casting them (autograd's ``index_add`` backward), to the bit, zero rows included."""
+    from moeforge.model.moe.dispatch import gather_routes
+
+    g = torch.Generator().manual_seed(3)
+    n, k, d, total = 50, 4, 8, 256
+    route_pos = torch.randperm(total, generator=g)[: n * k].view(n, k)
+    src = torch.full((total,), n, dtype=torch.long)
+    src[route_pos.reshape(-1)] = torch.arange(n).repeat_interleave(k)
+    x = torch.randn(n, d, generator=g)
+    # magnitudes up to 2^24 apart, so that fp32 sums of a token's routes round, and their order shows
+    scale = torch.exp2(torch.randint(-12, 13, (total, 1), generator=g).float())
+    grad = (torch.randn(total, d, generator=g) * scale).bfloat16()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    rows = gather_routes(xa, src, route_pos, torch.bfloat16)
+    want = torch.cat([xb, xb.new_zeros(1, d)]).index_select(0, src).to(torch.bfloat16)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, want)
+    assert torch.equal(rows[src == n], torch.zeros(total - n * k, d, dtype=torch.bfloat16))
+    rows.backward(grad)
+    want.backward(grad)
+    assert xa.grad.dtype == torch.float32 and torch.equal(xa.grad, xb.grad)

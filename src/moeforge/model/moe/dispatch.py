@@ -107,6 +107,42 @@ class _WeightedGather(torch.autograd.Function):
         return grad_y, None, grad_w
 
 
+class _GatherRoutes(torch.autograd.Function):
+    """``rows[r] = x[src[r]]`` cast to ``dtype`` (zeros where ``src[r] == n``, a padded layout's rows), with the
+    gradient of ``x`` gathered back: ``grad_x[t] = sum_k grad_rows[route_pos[t, k]]``, summed in fp32 in buffer
+    order and returned in ``x``'s dtype.
+
+    For autocast (fp32 ``x``, bf16 rows): casting before the gather moves half the bytes of gathering fp32 rows
+    and casting them, and the backward reads the ``(n*k, D)`` gradient in bf16 instead of first casting it to a
+    fresh fp32 copy for ``index_add``. The values are those of gather-then-cast to the bit: ``index_add`` also
+    adds each token's routes in fp32 in buffer order.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, src: Tensor, route_pos: Tensor, dtype: torch.dtype) -> Tensor:  # type: ignore[override]
+        xc = x.to(dtype)
+        ctx.save_for_backward(torch.sort(route_pos, dim=1).values)
+        ctx.x_dtype = x.dtype
+        return torch.cat([xc, xc.new_zeros(1, xc.shape[1])]).index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (route_pos,) = ctx.saved_tensors
+        out = grad.index_select(0, route_pos[:, 0]).to(torch.float32)
+        for i in range(1, route_pos.shape[1]):
+            out.add_(grad.index_select(0, route_pos[:, i]))
+        return out.to(ctx.x_dtype), None, None, None
+
+
+def gather_routes(x: Tensor, src: Tensor, route_pos: Tensor, dtype: torch.dtype) -> Tensor:
+    """The rows ``src`` of ``x`` in ``dtype`` (``src == len(x)``: a zero row), where ``route_pos: (n, k)`` names the
+    row of each (token, route) and every row but the zero rows is some route's. In ``x``'s own dtype it is a plain
+    gather (whose ``index_add`` backward is the fastest there); across dtypes see :class:`_GatherRoutes`."""
+    if x.dtype == dtype:
+        return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src)
+    return _GatherRoutes.apply(x, src, route_pos, dtype)
+
+
 def weighted_gather(y: Tensor, route_pos: Tensor, weights: Tensor) -> Tensor:
     """``(n, D)``: the rows ``route_pos: (n, k)`` of ``y`` (distinct rows), weighted by ``weights: (n, k)``
     (cast to ``y``'s dtype) and summed over k; see :class:`_WeightedGather`."""
@@ -139,25 +175,26 @@ class LocalDispatcher(Dispatcher):
         rows and the outputs once back into token order (a gather's gradient is an ``index_add``, cheaper on
         the CPU than the accumulating ``index_put`` of a scatter). When the experts want their groups
         aligned (:meth:`GroupedExperts.row_alignment`: the CPU in bf16) the rows are gathered straight into
-        the padded layout, two copies fewer each way than gathering, then padding. The values are those of
-        ``dispatch`` + ``combine`` to the bit.
+        the padded layout, two copies fewer each way than gathering, then padding; under autocast they are cast
+        to bf16 before they are gathered (:func:`gather_routes`). The values are those of ``dispatch`` +
+        ``combine`` to the bit.
         """
         n, k = indices.shape
         if n == 0 or not isinstance(experts, GroupedExperts):
             return super().run(x, indices, weights, experts)
         order, offsets = self._sorted_routes(indices)
         align = experts.row_alignment(x)
+        route_pos = torch.empty_like(order)  # the row of y that holds each (token, k) route
         if align == 1:
-            pos = torch.arange(n * k, device=x.device)
+            route_pos[order] = torch.arange(n * k, device=x.device)
             y = experts(x.index_select(0, order // k), offsets)
         else:
             pos, padded_offsets, total = aligned_groups(offsets, n * k, align)
+            route_pos[order] = pos
             # every buffer row names its token; the padding and the rows past the last group name an appended
-            # zero row, so they hold zeros (as the experts' own padding does) and any gradient they get lands there
+            # zero row, so they hold zeros (as the experts' own padding does); the cast comes before the gather
             src = torch.full((total,), n, dtype=torch.long, device=x.device)
             src[pos] = order // k
-            rows = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src)
+            rows = gather_routes(x, src, route_pos.view(n, k), experts.compute_dtype(x))
             y = experts(rows, padded_offsets, aligned=True)
-        route_pos = torch.empty_like(order)
-        route_pos[order] = pos  # the row of y that holds each (token, k) route
         return weighted_gather(y, route_pos.view(n, k), weights)
