@@ -50,7 +50,9 @@ def step_fns(mode: str, steps: int, config: str) -> dict:
     cfg = load_config(config)
     cpu = torch.device("cpu")
     batches = token_batches(cfg.model.vocab_size, cfg.train.micro_batch_size, cfg.data.seq_len, steps, 0, cpu)
-    contenders = _contenders(cfg.model, mode, cfg.train.seed, torch.device("cpu"), 1e-4)
+    contenders = _contenders(
+        cfg.model, mode, cfg.train.seed, torch.device("cpu"), 1e-4, cfg.train.micro_batch_size, cfg.data.seq_len
+    )
     return {name: (lambda i, c=c: c.step(batches[i])) for name, c in contenders.items()}
 
 

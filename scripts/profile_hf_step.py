@@ -43,7 +43,9 @@ def main() -> None:
     batches = token_batches(cfg.model.vocab_size, batch, seq, n, 0, torch.device("cpu"))
     result: dict = {"config": args.config, "threads": 1, "steps": args.steps, "torch": torch.__version__, "modes": {}}
     for mode in args.modes:
-        contenders = _contenders(cfg.model, mode, cfg.train.seed, torch.device("cpu"), 1e-4)
+        contenders = _contenders(
+            cfg.model, mode, cfg.train.seed, torch.device("cpu"), 1e-4, cfg.train.micro_batch_size, cfg.data.seq_len
+        )
         splits = {}
         for name, c in contenders.items():
             for i in range(2):  # warm-up: oneDNN kernels, allocator

@@ -35,6 +35,7 @@ from moeforge.bench.flops import flops_per_token
 from moeforge.bench.peers import hf_causal_lm, transformers_version
 from moeforge.config import ModelConfig
 from moeforge.model import build_model
+from moeforge.train.attention_tuning import tune_attention_precision
 from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class _Contender:
         # and moeforge's (``optim.implementation=auto``)
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         self.seen: list[Tensor] = []
+        self.attention: dict[str, Any] | None = None  # moeforge: how its attention precision was chosen
         self.losses: list[float] = []
         self.lm_losses: list[float] = []
 
@@ -92,15 +94,23 @@ class _Contender:
         self.lm_losses.append(float(lm.detach()))
 
 
-def _contenders(cfg: ModelConfig, mode: str, seed: int, device: torch.device, lr: float) -> dict[str, _Contender]:
+def _contenders(
+    cfg: ModelConfig, mode: str, seed: int, device: torch.device, lr: float, batch: int, seq: int
+) -> dict[str, _Contender]:
+    """Both models of ``mode`` from the same weights; moeforge's attention precision set as its trainer sets it
+    (``model.attention_precision``, timed at ``(batch, seq)``), recorded in its contender's ``attention``."""
     ours = build_model(cfg, seed=seed, device=device).train()
     hf = hf_causal_lm(copy.deepcopy(ours).cpu(), device)
     if mode == "bf16_params":
         ours, hf = ours.to(torch.bfloat16), hf.to(torch.bfloat16)
-    return {
+    dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+    contenders = {
         "moeforge": _Contender(ours, False, mode, cfg.moe.aux_loss_coef, lr),
         "hf": _Contender(hf, True, mode, cfg.moe.aux_loss_coef, lr),
     }
+    precision = cfg.attention_precision
+    contenders["moeforge"].attention = tune_attention_precision(ours, precision, batch, seq, dtype, device)
+    return contenders
 
 
 def _mode_row(
@@ -119,7 +129,7 @@ def _mode_row(
     tokens = batches[0].shape[0] * (batches[0].shape[1] - 1)
     fpt = flops_per_token(cfg, batches[0].shape[1] - 1)
     meter = EnergyMeter(device)
-    contenders = _contenders(cfg, mode, seed, device, lr)
+    contenders = _contenders(cfg, mode, seed, device, lr, batches[0].shape[0], batches[0].shape[1] - 1)
     fns = {name: (lambda i, c=c: c.step(batches[i])) for name, c in contenders.items()}
     joules: dict[str, float | None] = {}
     times = alternate_timed(fns, warmup, steps, device, meter, joules)
@@ -138,6 +148,7 @@ def _mode_row(
             "mfu": None if not peak_tflops else s["per_s"] * fpt / 1e12 / peak_tflops,
             "energy": energy_record(joules[name], sum(times[name]), tokens * steps, meter),
         }
+    row["moeforge"]["attention"] = contenders["moeforge"].attention
     row["ratio"] = row["moeforge"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
     row["same_inputs"] = row["moeforge"]["input_hash"] == row["hf"]["input_hash"]
     log.info("compare hf: %s: moeforge / hf = %.3fx", mode, row["ratio"])

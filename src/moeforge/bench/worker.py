@@ -277,6 +277,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype,
         },
         "precision": cfg.train.precision,
+        "attention_precision": trainer.attention_precision,  # model.attention_precision and what it decided
         "random_routing": cfg.model.moe.random_routing,
         "num_experts": cfg.model.moe.num_experts,
         "top_k": cfg.model.moe.top_k,

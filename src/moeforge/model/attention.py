@@ -6,11 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeforge.config import ModelConfig
 from moeforge.model.layers import RMSNorm, apply_rope
+from moeforge.ops.sdpa import sdpa
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, bool], Tensor]
 """``fn(q, k, v, enable_gqa) -> out``: causal attention of ``q: (B, H, T, hd)`` over ``k, v: (B, Hkv, T, hd)``."""
@@ -40,7 +40,8 @@ class Attention(nn.Module):
     """Causal GQA. ``qk_norm``: 'full' normalises the whole projection (OLMoE), 'per_head' each head (Qwen3).
 
     ``attn_bias`` adds biases to the q/k/v projections (Qwen2-MoE). ``attention_fn``, when set (by
-    a ``parallelize_*`` function, e.g. context parallelism), replaces the causal SDPA core without a cache."""
+    a ``parallelize_*`` function, e.g. context parallelism), replaces the causal SDPA core without a cache.
+    ``upcast`` computes a bf16 SDPA core in fp32 (``model.attention_precision``)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -61,6 +62,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.norm_eps)
         self.attention_fn: AttentionFn | None = None
+        # bf16/fp16 attention computed in fp32 (moeforge.ops.sdpa); "auto" is decided by the trainer, which times both
+        self.upcast = cfg.attention_precision == "fp32"
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape
@@ -82,5 +85,5 @@ class Attention(nn.Module):
         causal = T > 1 and k.shape[2] == T
         if T > 1 and not causal:
             raise ValueError("prefill into a non-empty KV cache is not supported; feed one token at a time")
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.n_kv != self.n_heads)
+        out = sdpa(q, k, v, is_causal=causal, enable_gqa=self.n_kv != self.n_heads, upcast=self.upcast)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))

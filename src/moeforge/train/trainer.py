@@ -26,6 +26,7 @@ from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.pipeline import RankStages, carve_stages, rank_stages
 from moeforge.parallel.pipeline_schedule import PipelineRunner
 from moeforge.parallel.stack import TrainingStack
+from moeforge.train.attention_tuning import tune_attention_precision
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
 from moeforge.train.checkpoint_store import checkpoints_dir, step_name
@@ -119,6 +120,15 @@ class Trainer:
         self.activation_bytes = 0  # saved for backward by the first micro-batch (not measured under pp)
         self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
         self.autocast_dtype = None if cfg.train.precision == "fp32" else torch.bfloat16  # lowp: the rest in bf16
+        low = self.autocast_dtype is not None or cfg.train.param_dtype == "bf16"
+        self.attention_precision = tune_attention_precision(  # collective under torch.distributed
+            model,
+            cfg.model.attention_precision,
+            cfg.train.micro_batch_size,
+            cfg.data.seq_len // self.mesh.cp,
+            torch.bfloat16 if low else torch.float32,
+            self.device,
+        )
         # creating the manager is collective (async save makes its own group): every rank, same point
         self.checkpointer = CheckpointManager.from_config(self.run_dir, cfg.train, self.device, self.mesh)
 
