@@ -152,3 +152,32 @@ def test_the_model_computes_attention_in_fp32_when_told() -> None:
             m.upcast, m.attention_fn = False, fp32_core
         want = model(ids)
     assert torch.equal(outs[True], want) and not torch.equal(outs[False], want)
+
+
+def test_a_resumed_auto_run_keeps_its_first_choice(tmp_path) -> None:
+    """The decision is checkpointed (``attention_upcast``): a resumed ``auto`` run applies the checkpoint's, not a
+    new timing's; an explicit ``model.attention_precision`` on resume wins over the checkpoint."""
+    import json
+
+    from moeforge.train.trainer import Trainer
+    from tests.helpers import tiny_config
+
+    args = ("--train.max_steps=2", "--train.save_every=2", "--train.precision=bf16")
+    t = Trainer(tiny_config(tmp_path, *args))
+    t.fit()
+    assert t.attention_precision["times_s"] is not None and not t.attention_precision["upcast"]  # tiny: too short
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "manifest.json").read_text())
+    assert manifest["trainer_state"]["attention_upcast"] == 0
+
+    again = Trainer(tiny_config(tmp_path, *args))
+    set_upcast = [m for m in again.model.modules() if isinstance(m, Attention)]
+    for m in set_upcast:
+        m.upcast = True  # as if the new timing had chosen fp32
+    again.attention_precision["upcast"] = True
+    assert again.maybe_resume()
+    assert _upcasts(again.model) == [False] * len(set_upcast) and again.attention_precision["from_checkpoint"]
+    again.close()
+
+    explicit = Trainer(tiny_config(tmp_path, *args, "--model.attention_precision=fp32"))
+    assert explicit.maybe_resume() and all(_upcasts(explicit.model))
+    explicit.close()

@@ -3,7 +3,8 @@
 The faster is kept (:func:`moeforge.ops.sdpa.upcast_pays`). Called once before training, by the trainer and by
 ``moeforge bench --compare hf``. Only a CPU run in a low-precision compute dtype is timed; everywhere else
 "auto" keeps the inputs' precision. Under torch.distributed every rank times, the times are summed over all
-ranks and every rank takes the same decision.
+ranks and every rank takes the same decision. The decision is checkpointed (the trainer state's
+``attention_upcast``): a resumed run keeps its first choice, so that resuming stays exact.
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ def tune_attention_precision(
             input_s, fp32_s = float(times[0] / times[2]), float(times[1] / times[2])
             record["times_s"] = {"input": input_s, "fp32": fp32_s}
             record["upcast"] = upcast_pays(input_s, fp32_s)
-    for a in layers:
-        a.upcast = record["upcast"]
+    set_attention_upcast(model, record["upcast"])
     if timed:
         log.info(
             "attention in %s (model.attention_precision=auto, %s attention forward + backward at batch %d, seq %d: %s)",
@@ -64,3 +64,10 @@ def tune_attention_precision(
             record["times_s"],
         )
     return record
+
+
+def set_attention_upcast(model: nn.Module, upcast: bool) -> None:
+    """Compute every :class:`Attention` core of ``model`` in fp32 (``upcast``) or in its inputs' precision."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.upcast = upcast

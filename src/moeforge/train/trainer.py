@@ -26,7 +26,7 @@ from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.pipeline import RankStages, carve_stages, rank_stages
 from moeforge.parallel.pipeline_schedule import PipelineRunner
 from moeforge.parallel.stack import TrainingStack
-from moeforge.train.attention_tuning import tune_attention_precision
+from moeforge.train.attention_tuning import set_attention_upcast, tune_attention_precision
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
 from moeforge.train.checkpoint_store import checkpoints_dir, step_name
@@ -256,6 +256,7 @@ class Trainer:
             "consecutive_skips": self.consecutive_skips,
             "skipped_steps": self.skipped_steps,
             "loader": self.loader.state_dict(),
+            "attention_upcast": int(self.attention_precision["upcast"]),  # a resumed "auto" run keeps the choice
         }
 
     def _debug_kill_if_due(self) -> None:
@@ -287,6 +288,10 @@ class Trainer:
         self.consecutive_skips = int(state["consecutive_skips"])
         self.skipped_steps = int(state["skipped_steps"])
         self.loader.load_state_dict(state["loader"])
+        if self.cfg.model.attention_precision == "auto":  # timed again at start-up; the run's first choice stays
+            upcast = bool(state["attention_upcast"])
+            set_attention_upcast(self.model, upcast)
+            self.attention_precision.update(upcast=upcast, from_checkpoint=path.name)
         log.info("resumed from %s (step %d)", path, self.step)
         return True
 
