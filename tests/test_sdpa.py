@@ -108,6 +108,12 @@ def test_auto_times_the_training_shape_and_keeps_the_faster() -> None:
     # fp32 training has nothing to choose
     rec = tune_attention_precision(model, "auto", 3, 20, torch.float32, cpu, timer=_never)
     assert not rec["upcast"] and rec["times_s"] is None
+    # a core replaced by parallel code (context parallelism) is not timed and not reported as upcast
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.attention_fn = lambda q, k, v, gqa: q
+    rec = tune_attention_precision(model, "auto", 3, 20, torch.bfloat16, cpu, timer=_never)
+    assert not rec["upcast"] and rec["times_s"] is None
 
 
 def _ranks_agree() -> None:

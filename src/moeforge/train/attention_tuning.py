@@ -37,7 +37,8 @@ def tune_attention_precision(
     """Set ``upcast`` on every :class:`Attention` of ``model`` as ``precision`` (``model.attention_precision``) says;
     for "auto", from ``timer`` (:func:`~moeforge.ops.sdpa.time_sdpa`) at ``(batch, heads, seq, head_dim)`` in
     ``dtype``, the attention's compute dtype. Returns what was decided and why (logged too)."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    # layers whose core parallel code replaced (context parallelism's attention_fn) do not use the flag
+    layers = [m for m in model.modules() if isinstance(m, Attention) and m.attention_fn is None]
     record: dict[str, Any] = {"precision": precision, "upcast": precision == "fp32", "times_s": None}
     timed = precision == "auto" and device.type == "cpu" and dtype in LOW_PRECISION
     if timed:
