@@ -33,6 +33,9 @@ from moeforge.model.moe.dispatch import (
     Dispatcher,
     DispatchStats,
     LocalDispatcher,
+    exchange_dtype,
+    gather_routes,
+    route_positions,
     sort_routes,
     weighted_unpermute,
 )
@@ -142,7 +145,9 @@ class AllToAllDispatcher(Dispatcher):
         assert self.ep_group is not None
         ep, local_e = self.ep, self.num_local_experts
         order, counts = sort_routes(indices, self.num_experts)
-        rows = x[order // indices.shape[1]]
+        n, k = indices.shape
+        # under autocast the tokens travel in bf16 (cast before the gather: the same rows, half the bytes each way)
+        rows = gather_routes(x, order // k, route_positions(order, n, k), exchange_dtype(x), zero_row=False)
 
         # counts[e] routes go to expert e; recv_counts[s * L + l] rows come from rank s for local expert l.
         recv_counts = torch.empty_like(counts)

@@ -63,9 +63,7 @@ def weighted_unpermute(y_sorted: Tensor, order: Tensor, weights: Tensor) -> Tens
     """Undo ``order`` on ``(N*k, D)`` rows and sum the k routes of each token, weighted (deterministic):
     :func:`weighted_gather` at each route's row of ``y_sorted``."""
     n, k = weights.shape
-    route_pos = torch.empty_like(order)
-    route_pos[order] = torch.arange(order.numel(), device=order.device)
-    return weighted_gather(y_sorted, route_pos.view(n, k), weights)
+    return weighted_gather(y_sorted, route_positions(order, n, k), weights)
 
 
 class _WeightedGather(torch.autograd.Function):
@@ -119,11 +117,13 @@ class _GatherRoutes(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, src: Tensor, route_pos: Tensor, dtype: torch.dtype) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, src: Tensor, route_pos: Tensor, dtype: torch.dtype, zero_row: bool) -> Tensor:  # type: ignore[override]
         xc = x.to(dtype)
         ctx.save_for_backward(torch.sort(route_pos, dim=1).values)
         ctx.x_dtype = x.dtype
-        return torch.cat([xc, xc.new_zeros(1, xc.shape[1])]).index_select(0, src)
+        if zero_row:
+            xc = torch.cat([xc, xc.new_zeros(1, xc.shape[1])])
+        return xc.index_select(0, src)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -131,16 +131,33 @@ class _GatherRoutes(torch.autograd.Function):
         out = grad.index_select(0, route_pos[:, 0]).to(torch.float32)
         for i in range(1, route_pos.shape[1]):
             out.add_(grad.index_select(0, route_pos[:, i]))
-        return out.to(ctx.x_dtype), None, None, None
+        return out.to(ctx.x_dtype), None, None, None, None
 
 
-def gather_routes(x: Tensor, src: Tensor, route_pos: Tensor, dtype: torch.dtype) -> Tensor:
-    """The rows ``src`` of ``x`` in ``dtype`` (``src == len(x)``: a zero row), where ``route_pos: (n, k)`` names the
-    row of each (token, route) and every row but the zero rows is some route's. In ``x``'s own dtype it is a plain
-    gather (whose ``index_add`` backward is the fastest there); across dtypes see :class:`_GatherRoutes`."""
+def gather_routes(x: Tensor, src: Tensor, route_pos: Tensor, dtype: torch.dtype, zero_row: bool = True) -> Tensor:
+    """The rows ``src`` of ``x`` in ``dtype`` (with ``zero_row``, ``src == len(x)`` names a zero row), where
+    ``route_pos: (n, k)`` names the row of each (token, route) and every row but the zero rows is some route's. In
+    ``x``'s own dtype it is a plain gather (whose ``index_add`` backward is the fastest there); across dtypes see
+    :class:`_GatherRoutes`."""
     if x.dtype == dtype:
-        return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src)
-    return _GatherRoutes.apply(x, src, route_pos, dtype)
+        return (torch.cat([x, x.new_zeros(1, x.shape[1])]) if zero_row else x).index_select(0, src)
+    return _GatherRoutes.apply(x, src, route_pos, dtype, zero_row)
+
+
+def exchange_dtype(x: Tensor) -> torch.dtype:
+    """The dtype routed tokens travel in: autocast's low precision when it is on (the experts' GEMMs would cast to
+    it on arrival anyway, so the exchange moves half the bytes), else ``x``'s."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.dtype == torch.float32:
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def route_positions(order: Tensor, n: int, k: int) -> Tensor:
+    """``(n, k)``: the row of each (token, route) once the routes are laid out in ``order``."""
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=order.device)
+    return pos.view(n, k)
 
 
 def weighted_gather(y: Tensor, route_pos: Tensor, weights: Tensor) -> Tensor:
