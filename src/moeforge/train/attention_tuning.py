@@ -10,6 +10,7 @@ ranks and every rank takes the same decision. The decision is checkpointed (the 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +53,8 @@ def tune_attention_precision(
             dist.all_reduce(times)
         if times[2] > 0:
             input_s, fp32_s = float(times[0] / times[2]), float(times[1] / times[2])
-            record["times_s"] = {"input": input_s, "fp32": fp32_s}
+            # fp32 untimed (a call too short to be worth it) is None: results files stay strict JSON, no NaN
+            record["times_s"] = {"input": input_s, "fp32": fp32_s if math.isfinite(fp32_s) else None}
             record["upcast"] = upcast_pays(input_s, fp32_s)
     set_attention_upcast(model, record["upcast"])
     if timed:
