@@ -120,14 +120,11 @@ class Trainer:
         self.activation_bytes = 0  # saved for backward by the first micro-batch (not measured under pp)
         self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
         self.autocast_dtype = None if cfg.train.precision == "fp32" else torch.bfloat16  # lowp: the rest in bf16
-        low = self.autocast_dtype is not None or cfg.train.param_dtype == "bf16"
-        self.attention_precision = tune_attention_precision(  # collective under torch.distributed
-            model,
-            cfg.model.attention_precision,
-            cfg.train.micro_batch_size,
-            cfg.data.seq_len // self.mesh.cp,
-            torch.bfloat16 if low else torch.float32,
-            self.device,
+        dtype = torch.bfloat16 if self.autocast_dtype or cfg.train.param_dtype == "bf16" else torch.float32
+        batch, seq = cfg.train.micro_batch_size, cfg.data.seq_len // self.mesh.cp
+        # collective under torch.distributed; the choice is checkpointed (trainer_state) and kept on resume
+        self.attention_precision = tune_attention_precision(
+            model, cfg.model.attention_precision, batch, seq, dtype, self.device
         )
         # creating the manager is collective (async save makes its own group): every rank, same point
         self.checkpointer = CheckpointManager.from_config(self.run_dir, cfg.train, self.device, self.mesh)
