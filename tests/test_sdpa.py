@@ -171,8 +171,8 @@ def test_a_resumed_auto_run_keeps_its_first_choice(tmp_path) -> None:
     args = ("--train.max_steps=2", "--train.save_every=2", "--train.precision=bf16")
     t = Trainer(tiny_config(tmp_path, *args))
     t.fit()
-    times = t.attention_precision["times_s"]
-    assert times["input"] > 0 and times["fp32"] is None and not t.attention_precision["upcast"]  # tiny: too short
+    # tiny: under MIN_TUNED_S, so bf16 stays (fp32 may or may not have been timed: one noisy first call decides)
+    assert t.attention_precision["times_s"]["input"] > 0 and not t.attention_precision["upcast"]
     manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "manifest.json").read_text())
     assert manifest["trainer_state"]["attention_upcast"] == 0
 
