@@ -1,4 +1,4 @@
-"""The CPU cross-entropy (:class:`moeforge.train.losses.ChunkedCrossEntropy`), forward + backward, at
+"""The CPU cross-entropy (:class:`moeforge.ops.cross_entropy.ChunkedCrossEntropy`), forward + backward, at
 ``--compare hf``'s size (2,048 tokens x 8,192 vocabulary, bf16 and fp32 logits, one thread) for several
 chunk sizes, against ``F.cross_entropy`` on an fp32 copy; the variants take turns each round.
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from moeforge.train import losses
+from moeforge.ops import cross_entropy as losses
 
 CHUNKS = (1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20)
 

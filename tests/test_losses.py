@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeforge.train import losses
+from moeforge.ops import cross_entropy
 from moeforge.train.losses import lm_loss_fn
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_cross_entropy_equals_fp32_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(losses, "CE_CHUNK_ELEMENTS", 7 * 100)  # 7 rows a chunk: 45 rows end in a partial chunk
+    monkeypatch.setattr(cross_entropy, "CE_CHUNK_ELEMENTS", 7 * 100)  # 7 rows a chunk: 45 rows end in a partial chunk
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 15, 100, generator=g) * 3).to(dtype)
     targets = torch.randint(0, 100, (3, 15), generator=g)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from moeforge.errors import USAGE
 
 if TYPE_CHECKING:
-    from moeforge.config import Config
+    from moeforge.config import Config, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -59,6 +59,27 @@ def _check_low_precision(cfg: Config) -> None:
         f"train.precision={p}: the quantized GEMMs do not compile (inductor has no e8m0/fp8 scale "
         "code on the CPU); set train.compile=false",
     )
+
+
+def fused_loss_blocker(model: ModelConfig, tp: int = 1, pp: int = 1, lowp_head: bool = False) -> str | None:
+    """Why ``model.loss_implementation=fused_linear`` cannot run with this head, as ``field: fix``; None when it can.
+
+    The fused loss multiplies the final hidden states by a plain, whole ``lm_head`` weight itself."""
+    if model.logit_softcap > 0:
+        return "model.logit_softcap: the fused loss makes no logits to cap; set it to 0 or loss_implementation=default"
+    if tp > 1:
+        return "parallel.tp: the vocab-parallel head has its own loss; use loss_implementation=default with tp > 1"
+    if pp > 1:
+        return "parallel.pp: the pipeline's last stage takes logits; use model.loss_implementation=default with pp > 1"
+    if lowp_head:
+        return "train.lowp_head: the quantized head makes its own logits; set it false or loss_implementation=default"
+    return None
+
+
+def config_fused_loss_blocker(cfg: Config) -> str | None:
+    """:func:`fused_loss_blocker` of a whole config."""
+    lowp_head = cfg.train.lowp_head and cfg.train.precision in ("mxfp8", "fp8_rowwise")
+    return fused_loss_blocker(cfg.model, cfg.parallel.tp, cfg.parallel.pp, lowp_head)
 
 
 def validate_config(cfg: Config, world_size: int | None = None) -> None:
@@ -127,6 +148,10 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         )
     if cfg.train.precision in ("mxfp8", "fp8_rowwise"):
         _check_low_precision(cfg)
+    if m.loss_implementation == "fused_linear":
+        blocker = config_fused_loss_blocker(cfg)
+        if blocker is not None:
+            raise ConfigError(f"model.loss_implementation=fused_linear: {blocker}")
     if cfg.train.activation_checkpointing != "none":
         _check(
             not moe.random_routing,

@@ -34,9 +34,10 @@ from moeforge.bench.energy import EnergyMeter, energy_record
 from moeforge.bench.flops import flops_per_token
 from moeforge.bench.peers import hf_causal_lm, transformers_version
 from moeforge.config import ModelConfig
+from moeforge.config_validation import fused_loss_blocker
 from moeforge.model import build_model
 from moeforge.train.attention_tuning import tune_attention_precision
-from moeforge.train.losses import lm_loss_fn, moe_aux_terms
+from moeforge.train.losses import fused_loss_enabled, lm_loss_fn, moe_aux_terms
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class _Contender:
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         self.seen: list[Tensor] = []
         self.attention: dict[str, Any] | None = None  # moeforge: how its attention precision was chosen
+        self.fused_loss = False  # moeforge: the head fused into its loss (model.loss_implementation), as in training
         self.losses: list[float] = []
         self.lm_losses: list[float] = []
 
@@ -78,7 +80,10 @@ class _Contender:
             vocab = self.model.config.vocab_size
             lm = self.model.loss_function(out.logits, None, vocab, shift_labels=targets.contiguous())
             return lm + self.aux_coef * out.aux_loss.float(), lm
-        lm = lm_loss_fn(self.model(inputs), targets, upcast=self.mode != "bf16_autocast")
+        if self.fused_loss:
+            lm = self.model(inputs, labels=targets)
+        else:
+            lm = lm_loss_fn(self.model(inputs), targets, upcast=self.mode != "bf16_autocast")
         weighted_aux, _, _ = moe_aux_terms(self.model)
         return lm + weighted_aux, lm
 
@@ -98,7 +103,8 @@ def _contenders(
     cfg: ModelConfig, mode: str, seed: int, device: torch.device, lr: float, batch: int, seq: int
 ) -> dict[str, _Contender]:
     """Both models of ``mode`` from the same weights; moeforge's attention precision set as its trainer sets it
-    (``model.attention_precision``, timed at ``(batch, seq)``), recorded in its contender's ``attention``."""
+    (``model.attention_precision``, timed at ``(batch, seq)``), recorded in its contender's ``attention``, and its
+    loss computed as its trainer computes it (``model.loss_implementation``)."""
     ours = build_model(cfg, seed=seed, device=device).train()
     hf = hf_causal_lm(copy.deepcopy(ours).cpu(), device)
     if mode == "bf16_params":
@@ -108,6 +114,7 @@ def _contenders(
         "moeforge": _Contender(ours, False, mode, cfg.moe.aux_loss_coef, lr),
         "hf": _Contender(hf, True, mode, cfg.moe.aux_loss_coef, lr),
     }
+    contenders["moeforge"].fused_loss = fused_loss_enabled(cfg.loss_implementation, device, fused_loss_blocker(cfg))
     precision = cfg.attention_precision
     contenders["moeforge"].attention = tune_attention_precision(ours, precision, batch, seq, dtype, device)
     return contenders
@@ -149,6 +156,7 @@ def _mode_row(
             "energy": energy_record(joules[name], sum(times[name]), tokens * steps, meter),
         }
     row["moeforge"]["attention"] = contenders["moeforge"].attention
+    row["moeforge"]["loss_implementation"] = "fused_linear" if contenders["moeforge"].fused_loss else "default"
     row["ratio"] = row["moeforge"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
     row["same_inputs"] = row["moeforge"]["input_hash"] == row["hf"]["input_hash"]
     log.info("compare hf: %s: moeforge / hf = %.3fx", mode, row["ratio"])

@@ -103,7 +103,10 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     - dense FFN block: ``3 d + 4 F_dense``;
     - after the blocks: ``3 d`` (final norm) + ``V`` (what the cross-entropy keeps for backward,
       in the logits' dtype: on the CPU the logits' gradient, computed in its forward; the log-softmax
-      elsewhere).
+      elsewhere). With ``model.loss_implementation=fused_linear`` the head and the loss keep the hidden
+      states' gradient (``d``, in place of ``lm_head``'s input) and, once per micro-batch, the head
+      weight's fp32 gradient (``4 V d`` bytes) instead; ``auto`` is planned as on a GPU, where it means
+      the logits.
 
     With checkpointing each block keeps only its input (``d``) and one block at a time
     is recomputed during backward, so the peak is the inputs plus the largest block
@@ -133,7 +136,8 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     dense_ffn = a * (3 * d * s + 4 * m.dense_hidden * s) + g
     n_dense = len(set(m.dense_layers))
     n_moe = m.n_layers - n_dense
-    head = a * 3 * d * s + g + a * m.vocab_size * s  # final norm in/out, the cross-entropy's (vocab-split) logits
+    fused = m.loss_implementation == "fused_linear"  # tp = 1 then (validated)
+    head = a * 3 * d * s + g + (0 if fused else a * m.vocab_size * s)  # final norm, the (vocab-split) logits
     if a == 2:  # bf16: norms and the router compute in fp32 and keep those fp32 copies of their inputs
         head += 2 * d * s
         attn += 2 * d * s
@@ -143,13 +147,17 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     full = tokens * (n_moe * (attn + moe_ffn) + n_dense * (attn + dense_ffn) + head)
     checkpointed = tokens * (m.n_layers * a * d * s + per_layer_max + head)
     saved_full = tokens * (m.n_layers * a * d * s + head)
+    if fused:  # the head weight's fp32 gradient, summed over the chunks in the loss's forward
+        full, checkpointed, saved_full = (x + 4 * m.vocab_size * d for x in (full, checkpointed, saved_full))
     # selective: the attention norm's input and output stay (its output is the checkpoint's input)
     saved_selective = tokens * (m.n_layers * a * 3 * d * s + n_moe * moe_ffn + n_dense * a * d * s + head)
+    saved_selective += 4 * m.vocab_size * d if fused else 0
     if a == 2 and cfg.train.param_dtype == "fp32":  # autocast keeps one bf16 copy of each matmul weight
         counts = param_counts(m)
         ep = cfg.parallel.ep if cfg.parallel.stack == "ddp" else 1
         tp_split = tensor_parallel_numel(m) * (1 - s) if tp > 1 else 0
         casts = 2 * (counts["total"] - counts["expert"] + counts["expert"] / ep - m.vocab_size * d - tp_split)
+        casts -= 2 * m.vocab_size * d if fused and not m.tie_embeddings else 0  # the fused loss keeps no cast head
         full, checkpointed = full + casts, checkpointed + casts
         saved_full, saved_selective = saved_full + casts, saved_selective + casts
     return {

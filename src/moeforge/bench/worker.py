@@ -278,6 +278,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         },
         "precision": cfg.train.precision,
         "attention_precision": trainer.attention_precision,  # model.attention_precision and what it decided
+        "loss_implementation": "fused_linear" if trainer.fused_loss else "default",  # model.loss_implementation
         "random_routing": cfg.model.moe.random_routing,
         "num_experts": cfg.model.moe.num_experts,
         "top_k": cfg.model.moe.top_k,

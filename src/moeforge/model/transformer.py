@@ -12,6 +12,7 @@ from moeforge.config import ModelConfig
 from moeforge.model.attention import Attention, KVCache
 from moeforge.model.layers import RMSNorm, SwiGLU, rope_tables
 from moeforge.model.moe.layer import MoELayer
+from moeforge.ops.cross_entropy import linear_cross_entropy
 
 
 class Block(nn.Module):
@@ -50,8 +51,11 @@ class MoETransformer(nn.Module):
         # A ``parallelize_*`` function sets it when the input is a part of each sequence (context parallelism).
         self.positions_fn: Callable[[int, torch.device], Tensor] | None = None
 
-    def forward(self, input_ids: Tensor, cache: KVCache | None = None, start_pos: int = 0) -> Tensor:
-        """Logits ``(B, T, V)`` of token ids ``(B, T)`` (a pipeline stage: see :meth:`blocks`)."""
+    def forward(
+        self, input_ids: Tensor, cache: KVCache | None = None, start_pos: int = 0, labels: Tensor | None = None
+    ) -> Tensor:
+        """Logits ``(B, T, V)`` of token ids ``(B, T)`` (a pipeline stage: see :meth:`blocks`); with ``labels``
+        ``(B, T)``, the mean cross-entropy against them instead, the head fused into it (:meth:`fused_lm_loss`)."""
         T = input_ids.shape[1]
         if self.positions_fn is not None and cache is None:
             positions = self.positions_fn(T, input_ids.device)
@@ -65,9 +69,25 @@ class MoETransformer(nn.Module):
             h = self.norm(h)
         if self.lm_head is None:
             return h
+        if labels is not None:
+            return self.fused_lm_loss(h, labels)
         logits = self.lm_head(h)
         cap = self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap > 0 else logits
+
+    def fused_lm_loss(self, h: Tensor, labels: Tensor) -> Tensor:
+        """Mean cross-entropy of ``lm_head(h)`` against ``labels``, as an fp32 scalar, computed by
+        :func:`linear_cross_entropy` (``model.loss_implementation=fused_linear``): the logits never exist whole.
+        The head's products run in autocast's dtype when it is on, else in the weight's, as ``lm_head`` would."""
+        head = self.lm_head
+        if type(head) is not nn.Linear or head.bias is not None or self.cfg.logit_softcap > 0:
+            raise ValueError(
+                "model.loss_implementation=fused_linear needs a plain bias-free nn.Linear lm_head, no logit softcap, "
+                f"got {type(head).__name__} (softcap {self.cfg.logit_softcap}); use loss_implementation=default"
+            )
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, labels.reshape(-1), dtype)
 
     def blocks(self) -> list[Block]:
         """The blocks this module holds, in layer order.

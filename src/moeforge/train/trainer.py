@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from moeforge.config import Config, ConfigError, save_config
+from moeforge.config_validation import config_fused_loss_blocker
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
 from moeforge.data.cp_chunks import cp_chunks
 from moeforge.model import MoETransformer, build_model
@@ -32,7 +33,7 @@ from moeforge.train.checkpoint import CheckpointManager
 from moeforge.train.checkpoint_store import checkpoints_dir, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
-from moeforge.train.losses import lm_loss_fn, moe_aux_terms
+from moeforge.train.losses import fused_loss_enabled, lm_loss_fn, moe_aux_terms
 from moeforge.train.memory_record import gather_memory, write_memory_json
 from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
 from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
@@ -126,6 +127,8 @@ class Trainer:
         self.attention_precision = tune_attention_precision(
             model, cfg.model.attention_precision, batch, seq, dtype, self.device
         )
+        # model.loss_implementation: the head fused into the loss (labels handed to the model) or logits + lm_loss_fn
+        self.fused_loss = fused_loss_enabled(cfg.model.loss_implementation, self.device, config_fused_loss_blocker(cfg))
         # creating the manager is collective (async save makes its own group): every rank, same point
         self.checkpointer = CheckpointManager.from_config(self.run_dir, cfg.train, self.device, self.mesh)
 
@@ -144,6 +147,15 @@ class Trainer:
             sums, load_rows = self._forward_backward(micro_batches)
         return self._finish_step(sums, load_rows, len(micro_batches))
 
+    def _lm_loss(self, inputs: Tensor, targets: Tensor, upcast: bool) -> Tensor:
+        """One micro-batch's mean next-token loss (fp32), the forward under autocast: the model's fused head and
+        loss, or its logits through :func:`lm_loss_fn` (``upcast``: on an fp32 copy off the CPU)."""
+        with self._autocast():
+            if self.fused_loss:
+                return self.model(inputs, labels=targets)
+            logits = self.model(inputs)
+        return lm_loss_fn(logits, targets, upcast=upcast)
+
     def _forward_backward(self, micro_batches: list[Tensor]) -> tuple[Tensor, Tensor]:
         """The single-stage loop: ``(sums [loss, lm, aux, z] over micro-batches, every MoE layer's summed load)``."""
         model, stack, mesh = self.model, self.stack, self.mesh
@@ -158,9 +170,7 @@ class Trainer:
             inputs, targets = cp_chunks(batch, mesh.cp, mesh.cp_rank)  # this cp rank's chunks
             stack.set_grad_sync(i == n_micro - 1)
             with meter if meter is not None and i == 0 else contextlib.nullcontext():
-                with self._autocast():
-                    logits = model(inputs)
-                lm = lm_loss_fn(logits, targets, upcast=False)
+                lm = self._lm_loss(inputs, targets, upcast=False)
                 weighted_aux, aux, z = moe_aux_terms(model)
                 loss = lm + weighted_aux.to(lm.device)
             (loss / n_micro).backward()
@@ -232,9 +242,7 @@ class Trainer:
                 acc += pipelined_eval_sums(self, batch)
                 continue
             inputs, targets = cp_chunks(batch, self.mesh.cp, self.mesh.cp_rank)
-            with self._autocast():
-                logits = self.model(inputs)
-            loss = lm_loss_fn(logits, targets)
+            loss = self._lm_loss(inputs, targets, upcast=True)
             n = targets.numel()
             acc += torch.tensor([loss.item() * n, n], device=self.device, dtype=torch.float64)
         all_reduce_sum(acc, self.mesh.world_group)  # the last stage's sums (zeros elsewhere) over every shard
