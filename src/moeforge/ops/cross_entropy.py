@@ -145,6 +145,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
         rows = max(LINEAR_CE_MIN_ROWS, LINEAR_CE_CHUNK_ELEMENTS // vocab)
         buf = _chunk_buffer(min(rows, n), vocab, x.device)
+        # a low-precision chunk product is written to one buffer and upcast into another before it is added: a
+        # mixed-dtype add_ of a GEMM's output ran 7x slower on the CPU (docs/benchmarks.md)
+        low = dw is not None and w.dtype != dw.dtype
+        part, part32 = (torch.empty_like(w), torch.empty_like(dw)) if low else (None, None)
         for s in range(0, n, rows):
             xs = x[s : s + rows]
             logits = xs @ w.t()
@@ -153,11 +157,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             xent_rows_(logits, safe[s : s + rows], scale[s : s + rows], lse[s : s + rows], buf, grad)
             if dx is not None:
                 torch.mm(logits, w, out=dx[s : s + rows])
-            if dw is not None:
-                if logits.dtype == dw.dtype:
-                    dw.addmm_(logits.t(), xs)
-                else:
-                    dw += logits.t() @ xs
+            if part is not None and part32 is not None and dw is not None:
+                torch.mm(logits.t(), xs, out=part)
+                dw.add_(part32.copy_(part))
+            elif dw is not None:
+                dw.addmm_(logits.t(), xs)
         ctx.save_for_backward(dx, dw)
         ctx.dtypes, ctx.spent = (h.dtype, weight.dtype), False
         return torch.where(valid, lse - picked, 0.0).sum() / count
