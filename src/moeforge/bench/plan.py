@@ -91,17 +91,18 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
 
     Elements kept per token (times the activation bytes, 2 in bf16, 4 in fp32):
 
-    - attention block: ``3 d`` (the norm's input, normalised value and scaled output) plus,
-      in bytes, ``c (H + Hkv) hd`` with ``c`` = 8 (fp32) or 5 (bf16), 16 or 11 with QK-norm:
+    - attention block: ``2 d`` (the norm's input, kept by :func:`moeforge.ops.rms_norm.rms_norm` with one
+      fp32 scale per row, and its output, kept by the projections) plus,
+      in bytes, ``c (H + Hkv) hd`` with ``c`` = 8 (fp32) or 5 (bf16), 12 or 7 with QK-norm:
       q, k, v, RoPE's rotated halves and products, SDPA's inputs and output and o_proj's
       input, as measured per head with saved-tensor hooks;
-    - MoE block: ``3 d`` (its norm) + ``r k d`` (dispatched rows) + ``3 r k F``
+    - MoE block: ``2 d`` (its norm) + ``r k d`` (dispatched rows) + ``3 r k F``
       (gate and up, their SwiGLU product; :func:`moeforge.ops.swiglu.swiglu` recomputes
       ``silu(gate)``) + ``r k d`` (expert outputs before combine)
       + ``4 F_shared``, plus ``2 E`` fp32 router logits/scores (``r`` = capacity factor
       for rowwise dispatch, else 1);
-    - dense FFN block: ``3 d + 4 F_dense``;
-    - after the blocks: ``3 d`` (final norm) + ``V`` (what the cross-entropy keeps for backward,
+    - dense FFN block: ``2 d + 4 F_dense``;
+    - after the blocks: ``2 d`` (final norm) + ``V`` (what the cross-entropy keeps for backward,
       in the logits' dtype: on the CPU the logits' gradient, computed in its forward; the log-softmax
       elsewhere). With ``model.loss_implementation=fused_linear`` the head and the loss keep the hidden
       states' gradient (``d``, in place of ``lm_head``'s input) and, once per micro-batch, the head
@@ -114,7 +115,8 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     the head (``saved_full``). Selective checkpointing recomputes attention and dense
     feed-forwards, keeping their inputs, and keeps the MoE blocks (``saved_selective``).
     ``RUN/memory.json`` measures the saved bytes of the configured mode. Under bf16
-    the norms and the router keep fp32 copies of their inputs, and autocast over
+    the router keeps an fp32 copy of its input; under autocast the norms' inputs are the fp32
+    residual stream, and autocast over
     fp32 weights keeps one bf16 copy of every matmul weight (per micro-batch).
     """
     m, moe, cp = cfg.model, cfg.model.moe, cfg.parallel.cp
@@ -126,23 +128,22 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     d, h, kv, hd = m.d_model, m.n_heads, m.kv_heads, m.dim_head
     r, k, f = _route_factor(cfg), moe.top_k, moe.expert_hidden
     # attention, measured per head and token (saved-tensor hooks): q/k/v projections, RoPE's halves and
-    # products, SDPA's inputs and output, o_proj's input; QK-norm doubles it (fp32 copies in bf16)
+    # products, SDPA's inputs and output, o_proj's input; QK-norm adds its inputs
     qk = m.qk_norm != "none"
-    per_head = (16 if qk else 8) if a == 4 else (11 if qk else 5)
-    attn = a * 3 * d * s + g + per_head * (h + kv) * hd * s
+    per_head = (12 if qk else 8) if a == 4 else (7 if qk else 5)
+    attn = a * 2 * d * s + g + per_head * (h + kv) * hd * s
     attn += a * 2 * kv * hd * (cp - 1)  # cp: the gathered K and V of the whole sequence
-    moe_ffn = a * (3 * d + 2 * r * k * d + 3 * r * k * f + 4 * moe.shared_expert_hidden) * s
+    moe_ffn = a * (2 * d + 2 * r * k * d + 3 * r * k * f + 4 * moe.shared_expert_hidden) * s
     moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts * s + (g if moe.shared_expert_hidden else 0)
-    dense_ffn = a * (3 * d * s + 4 * m.dense_hidden * s) + g
+    dense_ffn = a * (2 * d * s + 4 * m.dense_hidden * s) + g
     n_dense = len(set(m.dense_layers))
     n_moe = m.n_layers - n_dense
     fused = m.loss_implementation == "fused_linear"  # tp = 1 then (validated)
-    head = a * 3 * d * s + g + (0 if fused else a * m.vocab_size * s)  # final norm, the (vocab-split) logits
-    if a == 2:  # bf16: norms and the router compute in fp32 and keep those fp32 copies of their inputs
-        head += 2 * d * s
-        attn += 2 * d * s
-        moe_ffn += (2 * d + 4 * d) * s
-        dense_ffn += 2 * d * s
+    head = a * 2 * d * s + g + (0 if fused else a * m.vocab_size * s)  # final norm, the (vocab-split) logits
+    if a == 2:  # bf16: the router computes in fp32 and keeps that fp32 copy of its input
+        moe_ffn += 4 * d * s
+    if a == 2 and cfg.train.param_dtype == "fp32":  # autocast: the residual stream, the norms' input, stays fp32
+        head, attn, moe_ffn, dense_ffn = (x + 2 * d * s for x in (head, attn, moe_ffn, dense_ffn))
     per_layer_max = attn + (moe_ffn if n_moe else dense_ffn)
     full = tokens * (n_moe * (attn + moe_ffn) + n_dense * (attn + dense_ffn) + head)
     checkpointed = tokens * (m.n_layers * a * d * s + per_layer_max + head)

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from moeforge.config import ModelConfig
-from moeforge.model.layers import RMSNorm, apply_rope
+from moeforge.model.layers import RMSNorm
+from moeforge.ops.rope import apply_rope
 from moeforge.ops.sdpa import sdpa
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, bool], Tensor]

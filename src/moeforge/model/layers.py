@@ -1,10 +1,12 @@
-"""Small building blocks: RMSNorm, rotary embeddings, dense SwiGLU."""
+"""Small building blocks: RMSNorm, rotary embedding tables, dense SwiGLU."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from moeforge.ops.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -16,8 +18,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * y
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor, Tensor]:
@@ -26,13 +27,6 @@ def rope_tables(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor,
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x: (B, H, T, hd)`` by position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
