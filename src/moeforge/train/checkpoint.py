@@ -170,6 +170,8 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
+        if self.distributed:  # DCP's writers create tmp on every rank: none may before rank 0 has cleared it
+            dist.barrier(group=self._group)
         # on this thread: state_dict() and the parameter names are not safe to take while a forward runs (FSDP2
         # swaps the registered parameters); with overlap the buffers are returned here and filled by the thread
         state = self._collect(model, stack, small)
