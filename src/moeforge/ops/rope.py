@@ -2,11 +2,11 @@
 
 ``x`` is rotated by the angle of its position in pairs of features ``(i, i + hd/2)`` (the half-rotation layout of
 Llama, OLMoE and Qwen): ``x * cos + rotate_half(x) * sin``, computed in the tables' fp32 and rounded once to ``x``'s
-dtype. A rotation's gradient is the rotation by the opposite angle, so backward is the same function with
-``-sin`` and nothing of the input is kept for it, where autograd keeps the input and the rotated copy and runs
-back through ``neg``, ``cat``, two products, a sum and a cast (2x faster forward + backward in bf16 here,
-docs/benchmarks.md). The forward equals :func:`apply_rope_reference` to the bit; the gradient is rounded once, not
-at each step. Under ``torch.compile`` and on DTensors it is the reference.
+dtype. A rotation's gradient is the rotation by the opposite angle, so backward is the same function with ``-sin``
+and one pass, where autograd runs back through ``neg``, ``cat``, two products, a sum and a cast (forward + backward
+1.2x to 2.2x faster at the bench step's shapes, docs/benchmarks.md). The forward equals :func:`apply_rope_reference`
+to the bit; the gradient is rounded once, not at each step. Under ``torch.compile`` and on DTensors it is the
+reference.
 """
 
 from __future__ import annotations
