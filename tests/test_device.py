@@ -108,6 +108,12 @@ def test_moe_layer_on_device_matches_cpu_without_host_sync(device, dispatcher, d
         out = got(xd)
         out.backward(gd)
     if det is not None:
+        # on the CPU, bf16 experts pad their groups (aligned_groups, a CPU-only path), which reads the padded
+        # buffer's exact size there: one read per layer forward, free where host and device are one; any other
+        # read, and any read on another device, fails
+        padded = [e for e in det.events if e.where.endswith("in aligned_groups")]
+        assert len(padded) == (device.type == "cpu" and dtype == torch.bfloat16), padded
+        det.events = [e for e in det.events if e not in padded]
         det.assert_none()
     assert torch.equal(got.last_routing.indices.cpu(), ref.last_routing.indices)
     _assert_near(out.detach(), ref(x).detach(), tol, "output")
