@@ -147,8 +147,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         buf = _chunk_buffer(min(rows, n), vocab, x.device)
         # a low-precision chunk product is written to one buffer and upcast into another before it is added: a
         # mixed-dtype add_ of a GEMM's output ran 7x slower on the CPU (docs/benchmarks.md)
-        low = dw is not None and w.dtype != dw.dtype
-        part, part32 = (torch.empty_like(w), torch.empty_like(dw)) if low else (None, None)
+        upcast = dw is not None and w.dtype != dw.dtype
+        part = torch.empty_like(w) if upcast else None
+        part32 = torch.empty_like(dw) if upcast else None
         for s in range(0, n, rows):
             xs = x[s : s + rows]
             logits = xs @ w.t()
@@ -157,10 +158,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             xent_rows_(logits, safe[s : s + rows], scale[s : s + rows], lse[s : s + rows], buf, grad)
             if dx is not None:
                 torch.mm(logits, w, out=dx[s : s + rows])
-            if part is not None and part32 is not None and dw is not None:
-                torch.mm(logits.t(), xs, out=part)
-                dw.add_(part32.copy_(part))
-            elif dw is not None:
+            if dw is None:
+                continue
+            if upcast:
+                dw.add_(part32.copy_(torch.mm(logits.t(), xs, out=part)))  # type: ignore[union-attr, arg-type]
+            else:
                 dw.addmm_(logits.t(), xs)
         ctx.save_for_backward(dx, dw)
         ctx.dtypes, ctx.spent = (h.dtype, weight.dtype), False
