@@ -1,7 +1,9 @@
-"""bf16 attention against fp32 attention of the same bf16 inputs, forward + backward, at several shapes.
+"""bf16 attention against fp32 attention of the same bf16 inputs and against eager attention, forward + backward,
+at several shapes.
 
-What ``model.attention_precision: auto`` measures (:func:`moeforge.ops.sdpa.time_sdpa`), over a grid of shapes
-with causal GQA, one thread, and what it would decide at each (:func:`moeforge.ops.sdpa.upcast_pays`).
+What ``model.attention_precision: auto`` and ``model.attention_implementation: auto`` measure
+(:func:`moeforge.ops.sdpa.time_sdpa`), over a grid of shapes with causal GQA, one thread, and what they would decide
+at each (:func:`moeforge.ops.sdpa.pick_attention`; eager only up to ``EAGER_MAX_SEQ``).
 
     PYTHONPATH=src python scripts/bench_attention_precision.py OUT.json [--rounds 5]
 """
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from moeforge.ops.sdpa import time_sdpa, upcast_pays
+from moeforge.ops.eager_attention import EAGER_MAX_SEQ
+from moeforge.ops.sdpa import pick_attention, time_sdpa
 
 # (batch, heads, kv heads, seq, head_dim): --compare hf's config first, then longer sequences and wider heads
 SHAPES = [
@@ -38,14 +41,13 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for b, h, kv, s, d in SHAPES:
-        t = time_sdpa(b, h, kv, s, d, torch.bfloat16, torch.device("cpu"), rounds=args.rounds)
+        names = ("input", "fp32", "eager") if s <= EAGER_MAX_SEQ else ("input", "fp32")
+        t = time_sdpa(b, h, kv, s, d, torch.bfloat16, torch.device("cpu"), rounds=args.rounds, candidates=names)
         row = {"batch": b, "heads": h, "kv_heads": kv, "seq": s, "head_dim": d, "bf16_s": t["input"]}
-        row.update(fp32_s=t["fp32"], fp32_over_bf16=t["fp32"] / t["input"], upcast=upcast_pays(t["input"], t["fp32"]))
+        row.update(fp32_s=t["fp32"], eager_s=t.get("eager"), choice=pick_attention(t))
         rows.append(row)
-        sys.stdout.write(
-            f"b{b} h{h}/{kv} s{s} d{d}: bf16 {1e3 * t['input']:.1f} ms, fp32 {1e3 * t['fp32']:.1f} ms "
-            f"({row['fp32_over_bf16']:.2f}x) -> {'fp32' if row['upcast'] else 'bf16'}\n"
-        )
+        times = ", ".join(f"{n} {1e3 * t[n]:.1f} ms ({t[n] / t['input']:.2f}x)" for n in names)
+        sys.stdout.write(f"b{b} h{h}/{kv} s{s} d{d}: {times} -> {row['choice']}\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"torch": torch.__version__, "threads": 1, "rows": rows}, indent=1))
 

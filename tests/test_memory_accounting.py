@@ -15,9 +15,14 @@ from moeforge.train.trainer import Trainer
 from .helpers import tiny_config
 
 BF16 = ["--train.precision=bf16", "--train.param_dtype=bf16"]
-# The plan models a GPU: the grouped GEMM without the CPU's bf16 row padding (GPUs do not pad) and the loss on
-# logits (model.loss_implementation=auto there); the CPU run matches it. The fused loss is planned when set.
-NO_PAD = ["--model.moe.cpu_group_align=1", "--model.loss_implementation=default"]
+# The plan models a GPU: the grouped GEMM without the CPU's bf16 row padding (GPUs do not pad), the loss on
+# logits (model.loss_implementation=auto there) and SDPA (attention_implementation=auto); the CPU run matches it.
+# The fused loss and eager attention are planned when set.
+NO_PAD = [
+    "--model.moe.cpu_group_align=1",
+    "--model.loss_implementation=default",
+    "--model.attention_implementation=sdpa",
+]
 FUSED = ["--model.loss_implementation=fused_linear"]
 LAYOUTS = {
     "ddp_ep2": ["--parallel.ep=2", "--parallel.bucket_size_mb=0.02"],
@@ -77,6 +82,15 @@ def test_single_process_state_is_predicted_exactly(tmp_path: Path) -> None:
         (m,), (p,) = _measured_and_predicted(tmp_path, name, 1, *extra)
         saved.append((m["activation_bytes"], p["activation_bytes"]))
     assert saved[0][0] - saved[1][0] == saved[0][1] - saved[1][1] > 0, saved
+    # eager attention keeps its probabilities P in place of SDPA's log-sum-exp: the change, measured and predicted,
+    # to the byte
+    eager = ["--model.attention_implementation=eager"]
+    for base, extra in (("local", []), ("local_bf16", BF16)):
+        _fit(tmp_path, base + "_eager", *extra, *eager)
+        (m0,), (p0,) = _measured_and_predicted(tmp_path, base, 1, *extra)
+        (m1,), (p1,) = _measured_and_predicted(tmp_path, base + "_eager", 1, *extra, *eager)
+        grown = (m1["activation_bytes"] - m0["activation_bytes"], p1["activation_bytes"] - p0["activation_bytes"])
+        assert grown[0] == grown[1] > 0, (base, grown)
     bf16 = json.loads((tmp_path / "local_bf16" / "memory.json").read_text())["ranks"][0]
     fp32 = json.loads((tmp_path / "local" / "memory.json").read_text())["ranks"][0]
     assert bf16["params_bytes"] * 2 == fp32["params_bytes"] and bf16["master_bytes"] > 0 == fp32["master_bytes"]

@@ -152,6 +152,11 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         blocker = config_fused_loss_blocker(cfg)
         if blocker is not None:
             raise ConfigError(f"model.loss_implementation=fused_linear: {blocker}")
+    _check(
+        m.attention_implementation != "eager" or cfg.parallel.cp == 1,
+        "model.attention_implementation",
+        "context parallelism's ring attention replaces the attention core: use auto or sdpa with parallel.cp > 1",
+    )
     if cfg.train.activation_checkpointing != "none":
         _check(
             not moe.random_routing,

@@ -36,7 +36,7 @@ from moeforge.bench.peers import hf_causal_lm, transformers_version
 from moeforge.config import ModelConfig
 from moeforge.config_validation import fused_loss_blocker
 from moeforge.model import build_model
-from moeforge.train.attention_tuning import tune_attention_precision
+from moeforge.train.attention_tuning import tune_attention
 from moeforge.train.losses import fused_loss_enabled, lm_loss_fn, moe_aux_terms
 
 log = logging.getLogger(__name__)
@@ -102,9 +102,9 @@ class _Contender:
 def _contenders(
     cfg: ModelConfig, mode: str, seed: int, device: torch.device, lr: float, batch: int, seq: int
 ) -> dict[str, _Contender]:
-    """Both models of ``mode`` from the same weights; moeforge's attention precision set as its trainer sets it
-    (``model.attention_precision``, timed at ``(batch, seq)``), recorded in its contender's ``attention``, and its
-    loss computed as its trainer computes it (``model.loss_implementation``)."""
+    """Both models of ``mode`` from the same weights; moeforge's attention core set as its trainer sets it
+    (``model.attention_precision`` and ``attention_implementation``, timed at ``(batch, seq)``), recorded in its
+    contender's ``attention``, and its loss computed as its trainer computes it (``model.loss_implementation``)."""
     ours = build_model(cfg, seed=seed, device=device).train()
     hf = hf_causal_lm(copy.deepcopy(ours).cpu(), device)
     if mode == "bf16_params":
@@ -115,8 +115,8 @@ def _contenders(
         "hf": _Contender(hf, True, mode, cfg.moe.aux_loss_coef, lr),
     }
     contenders["moeforge"].fused_loss = fused_loss_enabled(cfg.loss_implementation, device, fused_loss_blocker(cfg))
-    precision = cfg.attention_precision
-    contenders["moeforge"].attention = tune_attention_precision(ours, precision, batch, seq, dtype, device)
+    precision, implementation = cfg.attention_precision, cfg.attention_implementation
+    contenders["moeforge"].attention = tune_attention(ours, precision, implementation, batch, seq, dtype, device)
     return contenders
 
 

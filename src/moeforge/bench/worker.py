@@ -277,7 +277,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype,
         },
         "precision": cfg.train.precision,
-        "attention_precision": trainer.attention_precision,  # model.attention_precision and what it decided
+        "attention": trainer.attention,  # model.attention_precision / attention_implementation and what they decided
         "loss_implementation": "fused_linear" if trainer.fused_loss else "default",  # model.loss_implementation
         "random_routing": cfg.model.moe.random_routing,
         "num_experts": cfg.model.moe.num_experts,

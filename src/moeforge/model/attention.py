@@ -42,7 +42,8 @@ class Attention(nn.Module):
 
     ``attn_bias`` adds biases to the q/k/v projections (Qwen2-MoE). ``attention_fn``, when set (by
     a ``parallelize_*`` function, e.g. context parallelism), replaces the causal SDPA core without a cache.
-    ``upcast`` computes a bf16 SDPA core in fp32 (``model.attention_precision``)."""
+    ``upcast`` computes a bf16 SDPA core in fp32 (``model.attention_precision``); ``eager`` makes the causal core
+    :func:`~moeforge.ops.eager_attention.eager_attention` (``model.attention_implementation``)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -65,6 +66,7 @@ class Attention(nn.Module):
         self.attention_fn: AttentionFn | None = None
         # bf16/fp16 attention computed in fp32 (moeforge.ops.sdpa); "auto" is decided by the trainer, which times both
         self.upcast = cfg.attention_precision == "fp32"
+        self.eager = cfg.attention_implementation == "eager"  # "auto" too is decided by the trainer's timing
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape
@@ -86,5 +88,6 @@ class Attention(nn.Module):
         causal = T > 1 and k.shape[2] == T
         if T > 1 and not causal:
             raise ValueError("prefill into a non-empty KV cache is not supported; feed one token at a time")
-        out = sdpa(q, k, v, is_causal=causal, enable_gqa=self.n_kv != self.n_heads, upcast=self.upcast)
+        gqa = self.n_kv != self.n_heads
+        out = sdpa(q, k, v, is_causal=causal, enable_gqa=gqa, upcast=self.upcast, eager=self.eager)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))

@@ -1,10 +1,14 @@
-"""``model.attention_precision: auto``: the attention core timed in bf16 and in fp32 at the training shape.
+"""``model.attention_precision: auto`` and ``model.attention_implementation: auto``: the attention core timed at the
+training shape, in the inputs' precision, in fp32 and eager.
 
-The faster is kept (:func:`moeforge.ops.sdpa.upcast_pays`). Called once before training, by the trainer and by
-``moeforge bench --compare hf``. Only a CPU run in a low-precision compute dtype is timed; everywhere else
-"auto" keeps the inputs' precision. Under torch.distributed every rank times, the times are summed over all
-ranks and every rank takes the same decision. The decision is checkpointed (the trainer state's
-``attention_upcast``): a resumed run keeps its first choice, so that resuming stays exact.
+SDPA in the inputs' precision stays unless another candidate is clearly faster
+(:func:`moeforge.ops.sdpa.pick_attention`). Called once before training, by the trainer and by ``moeforge bench
+--compare hf``. Only a CPU run in a low-precision compute dtype is timed; everywhere else "auto" keeps SDPA in the
+inputs' precision. fp32 is a candidate when the precision is "auto"; eager when the implementation is "auto", the
+precision not "fp32" and the sequence at most :data:`~moeforge.ops.eager_attention.EAGER_MAX_SEQ`. Under
+torch.distributed every rank times, the times are summed over all ranks and every rank takes the same decision.
+The decision is checkpointed (the trainer state's ``attention_upcast`` and ``attention_eager``): a resumed run keeps
+its first choice, so that resuming stays exact.
 """
 
 from __future__ import annotations
@@ -19,48 +23,74 @@ import torch.distributed as dist
 from torch import nn
 
 from moeforge.model.attention import Attention
-from moeforge.ops.sdpa import LOW_PRECISION, time_sdpa, upcast_pays
+from moeforge.ops.eager_attention import EAGER_MAX_SEQ
+from moeforge.ops.sdpa import LOW_PRECISION, pick_attention, time_sdpa
 
 log = logging.getLogger(__name__)
 
 Timer = Callable[..., dict[str, float]]
 
 
-def tune_attention_precision(
+def attention_candidates(precision: str, implementation: str, seq: int) -> tuple[str, ...]:
+    """The cores ``auto`` times (names of :data:`moeforge.ops.sdpa.CANDIDATES`), ``"input"`` first."""
+    out = ["input"]
+    if precision == "auto":
+        out.append("fp32")
+    if implementation == "auto" and precision != "fp32" and seq <= EAGER_MAX_SEQ:
+        out.append("eager")
+    return tuple(out)
+
+
+def tune_attention(
     model: nn.Module,
     precision: str,
+    implementation: str,
     batch: int,
     seq: int,
     dtype: torch.dtype,
     device: torch.device,
     timer: Timer = time_sdpa,
 ) -> dict[str, Any]:
-    """Set ``upcast`` on every :class:`Attention` of ``model`` as ``precision`` (``model.attention_precision``) says;
-    for "auto", from ``timer`` (:func:`~moeforge.ops.sdpa.time_sdpa`) at ``(batch, heads, seq, head_dim)`` in
-    ``dtype``, the attention's compute dtype. Returns what was decided and why (logged too)."""
-    # layers whose core parallel code replaced (context parallelism's attention_fn) do not use the flag
+    """Set ``upcast`` and ``eager`` on every :class:`Attention` of ``model`` as ``precision``
+    (``model.attention_precision``) and ``implementation`` (``model.attention_implementation``) say; for "auto",
+    from ``timer`` (:func:`~moeforge.ops.sdpa.time_sdpa`) at ``(batch, heads, seq, head_dim)`` in ``dtype``, the
+    attention's compute dtype. Returns what was decided and why (logged too)."""
+    # layers whose core parallel code replaced (context parallelism's attention_fn) do not use the flags
     layers = [m for m in model.modules() if isinstance(m, Attention) and m.attention_fn is None]
-    record: dict[str, Any] = {"precision": precision, "upcast": precision == "fp32", "times_s": None}
-    timed = precision == "auto" and device.type == "cpu" and dtype in LOW_PRECISION
+    record: dict[str, Any] = {
+        "precision": precision,
+        "implementation": implementation,
+        "upcast": precision == "fp32",
+        "eager": implementation == "eager",
+        "times_s": None,
+    }
+    candidates = attention_candidates(precision, implementation, seq)
+    timed = len(candidates) > 1 and device.type == "cpu" and dtype in LOW_PRECISION
     if timed:
         # every rank takes part in the sum, even one without attention layers (a pipeline stage)
-        times = torch.zeros(3, dtype=torch.float64)
+        times = torch.zeros(len(candidates) + 1, dtype=torch.float64)
         if layers:
             a = layers[0]
-            t = timer(batch, a.n_heads, a.n_kv, seq, a.hd, dtype, device)
-            times += torch.tensor([t["input"], t["fp32"], 1.0], dtype=torch.float64)
+            t = timer(batch, a.n_heads, a.n_kv, seq, a.hd, dtype, device, candidates=candidates)
+            times += torch.tensor([t[c] for c in candidates] + [1.0], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(times)
-        if times[2] > 0:
-            input_s, fp32_s = float(times[0] / times[2]), float(times[1] / times[2])
-            # fp32 untimed (a call too short to be worth it) is None: results files stay strict JSON, no NaN
-            record["times_s"] = {"input": input_s, "fp32": fp32_s if math.isfinite(fp32_s) else None}
-            record["upcast"] = upcast_pays(input_s, fp32_s)
-    set_attention_upcast(model, record["upcast"])
+        if times[-1] > 0:
+            mean = {c: float(times[i] / times[-1]) for i, c in enumerate(candidates)}
+            # a candidate left untimed (a call too short to be worth it) is None: results files stay strict JSON
+            record["times_s"] = {c: t if math.isfinite(t) else None for c, t in mean.items()}
+            choice = pick_attention(mean)
+            record["upcast"] = choice == "fp32" or precision == "fp32"
+            record["eager"] = choice == "eager" or implementation == "eager"
+    set_attention_core(model, record["upcast"], record["eager"])
     if timed:
         log.info(
-            "attention in %s (model.attention_precision=auto, %s attention forward + backward at batch %d, seq %d: %s)",
+            "attention %s in %s (model.attention_precision=%s, attention_implementation=%s; %s forward + backward at "
+            "batch %d, seq %d: %s)",
+            "eager" if record["eager"] else "sdpa",
             "fp32" if record["upcast"] else str(dtype).removeprefix("torch."),
+            precision,
+            implementation,
             str(dtype).removeprefix("torch."),
             batch,
             seq,
@@ -69,8 +99,9 @@ def tune_attention_precision(
     return record
 
 
-def set_attention_upcast(model: nn.Module, upcast: bool) -> None:
-    """Compute every :class:`Attention` core of ``model`` in fp32 (``upcast``) or in its inputs' precision."""
+def set_attention_core(model: nn.Module, upcast: bool, eager: bool) -> None:
+    """Compute every :class:`Attention` core of ``model`` in fp32 (``upcast``) or in its inputs' precision, with
+    eager attention (``eager``) or SDPA."""
     for m in model.modules():
         if isinstance(m, Attention):
-            m.upcast = upcast
+            m.upcast, m.eager = upcast, eager

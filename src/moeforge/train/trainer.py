@@ -27,7 +27,7 @@ from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.pipeline import RankStages, carve_stages, rank_stages
 from moeforge.parallel.pipeline_schedule import PipelineRunner
 from moeforge.parallel.stack import TrainingStack
-from moeforge.train.attention_tuning import set_attention_upcast, tune_attention_precision
+from moeforge.train.attention_tuning import set_attention_core, tune_attention
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
 from moeforge.train.checkpoint_store import checkpoints_dir, step_name
@@ -124,8 +124,9 @@ class Trainer:
         dtype = torch.bfloat16 if self.autocast_dtype or cfg.train.param_dtype == "bf16" else torch.float32
         batch, seq = cfg.train.micro_batch_size, cfg.data.seq_len // self.mesh.cp
         # collective under torch.distributed; the choice is checkpointed (trainer_state) and kept on resume
-        self.attention_precision = tune_attention_precision(
-            model, cfg.model.attention_precision, batch, seq, dtype, self.device
+        m = cfg.model
+        self.attention = tune_attention(
+            model, m.attention_precision, m.attention_implementation, batch, seq, dtype, self.device
         )
         # model.loss_implementation: the head fused into the loss (labels handed to the model) or logits + lm_loss_fn
         self.fused_loss = fused_loss_enabled(cfg.model.loss_implementation, self.device, config_fused_loss_blocker(cfg))
@@ -261,7 +262,8 @@ class Trainer:
             "consecutive_skips": self.consecutive_skips,
             "skipped_steps": self.skipped_steps,
             "loader": self.loader.state_dict(),
-            "attention_upcast": int(self.attention_precision["upcast"]),  # a resumed "auto" run keeps the choice
+            "attention_upcast": int(self.attention["upcast"]),  # a resumed "auto" run keeps the choices
+            "attention_eager": int(self.attention["eager"]),
         }
 
     def _debug_kill_if_due(self) -> None:
@@ -293,10 +295,12 @@ class Trainer:
         self.consecutive_skips = int(state["consecutive_skips"])
         self.skipped_steps = int(state["skipped_steps"])
         self.loader.load_state_dict(state["loader"])
-        if self.cfg.model.attention_precision == "auto":  # timed again at start-up; the run's first choice stays
-            upcast = bool(state["attention_upcast"])
-            set_attention_upcast(self.model, upcast)
-            self.attention_precision.update(upcast=upcast, from_checkpoint=path.name)
+        m = self.cfg.model  # "auto" was timed again at start-up; the run's first choice stays
+        upcast = bool(state["attention_upcast"]) if m.attention_precision == "auto" else self.attention["upcast"]
+        eager = bool(state["attention_eager"]) if m.attention_implementation == "auto" else self.attention["eager"]
+        if "auto" in (m.attention_precision, m.attention_implementation):
+            set_attention_core(self.model, upcast, eager)
+            self.attention.update(upcast=upcast, eager=eager, from_checkpoint=path.name)
         log.info("resumed from %s (step %d)", path, self.step)
         return True
 
