@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,11 +12,11 @@ import moeforge.ops.eager_attention as ea
 from moeforge.config_validation import ConfigError, validate_config
 from moeforge.model import build_model
 from moeforge.model.attention import Attention
-from moeforge.ops.eager_attention import eager_attention
+from moeforge.ops.eager_attention import EAGER_CAUSAL_SPANS, causal_spans, eager_attention, eager_saved_scores
 from moeforge.ops.sdpa import sdpa
 from tests.test_model import tiny_cfg
 
-SHAPES = [(2, 4, 2, 24, 8), (1, 4, 4, 16, 8), (3, 6, 2, 40, 16), (2, 2, 1, 1, 8)]
+SHAPES = [(2, 4, 2, 24, 8), (1, 4, 4, 16, 8), (3, 6, 2, 40, 16), (2, 2, 1, 1, 8), (1, 4, 2, 7, 8)]
 
 
 def _qkv(b: int, h: int, kv: int, t: int, d: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -45,6 +47,18 @@ def test_fp32_equals_sdpa(shape, block_bytes, monkeypatch) -> None:
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("seq", [1, 2, 3, 7, 24, 256, 1000])
+def test_causal_spans_cover_the_sequence(seq) -> None:
+    spans = causal_spans(seq)
+    assert spans[0][0] == 0 and spans[-1][1] == seq and len(spans) <= EAGER_CAUSAL_SPANS
+    assert all(lo < hi for lo, hi in spans) and all(a[1] == b[0] for a, b in pairwise(spans))
+    assert eager_saved_scores(seq) == sum((hi - lo) * hi for lo, hi in spans)
+    # the masked part is skipped: at most the square, and 5/8 of it with 4 spans of a sequence they divide
+    assert (seq * (seq + 1)) // 2 <= eager_saved_scores(seq) <= seq * seq
+    if seq % EAGER_CAUSAL_SPANS == 0:
+        assert eager_saved_scores(seq) * 8 == seq * seq * 5
 
 
 def test_gradcheck_fp64() -> None:

@@ -54,6 +54,7 @@ from moeforge.bench.plan_text import format_plan
 from moeforge.bench.plan_tp import d_gathered, tp_collectives_per_micro_batch
 from moeforge.config import Config, ConfigError, load_config
 from moeforge.config_validation import check_ep, check_tp
+from moeforge.ops.eager_attention import eager_saved_scores
 from moeforge.parallel.memory import predict_state
 from moeforge.parallel.tensor import tensor_parallel_numel
 
@@ -96,7 +97,8 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
       in bytes, ``c (H + Hkv) hd`` with ``c`` = 8 (fp32) or 5 (bf16), 12 or 7 with QK-norm:
       q, k, v, RoPE's rotated halves and products, SDPA's inputs and output and o_proj's
       input, as measured per head with saved-tensor hooks; with ``model.attention_implementation=eager``
-      the probabilities ``P`` (``H T`` elements) in place of SDPA's fp32 log-sum-exp (``4 H`` bytes);
+      the probabilities ``P`` (about ``5/8 H T`` elements:
+      :func:`~moeforge.ops.eager_attention.eager_saved_scores`) in place of SDPA's fp32 log-sum-exp (``4 H`` bytes);
     - MoE block: ``2 d`` (its norm) + ``r k d`` (dispatched rows) + ``3 r k F``
       (gate and up, their SwiGLU product; :func:`moeforge.ops.swiglu.swiglu` recomputes
       ``silu(gate)``) + ``r k d`` (expert outputs before combine)
@@ -135,7 +137,9 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     attn = a * 2 * d * s + g + per_head * (h + kv) * hd * s
     attn += a * 2 * kv * hd * (cp - 1)  # cp: the gathered K and V of the whole sequence
     if m.attention_implementation == "eager":  # planned when set; auto is planned as on a GPU (SDPA)
-        attn += (a * cfg.data.seq_len - 4) * h * s  # P, a * T per head, in place of SDPA's fp32 log-sum-exp
+        # P (its causal spans' rows x keys per head and sequence) in place of SDPA's fp32 log-sum-exp
+        seq = cfg.data.seq_len
+        attn += (a * eager_saved_scores(seq) / seq - 4) * h * s
     moe_ffn = a * (2 * d + 2 * r * k * d + 3 * r * k * f + 4 * moe.shared_expert_hidden) * s
     moe_ffn += 4 * ROUTER_FP32_COPIES * moe.num_experts * s + (g if moe.shared_expert_hidden else 0)
     dense_ffn = a * (2 * d * s + 4 * m.dense_hidden * s) + g
