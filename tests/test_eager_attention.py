@@ -92,6 +92,9 @@ def test_sdpa_dispatch_autocast_and_upcast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         auto = sdpa(qa, ka, va, is_causal=True, enable_gqa=True, eager=True)
     assert auto.dtype == torch.bfloat16 and torch.equal(auto, out.detach())
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))  # upcast never lowers a wider dtype
+    wide = sdpa(q64, k64, v64, is_causal=True, enable_gqa=True, upcast=True, eager=True)
+    assert wide.dtype == torch.float64 and torch.equal(wide, eager_attention(q64, k64, v64))
     one = q[:, :, -1:]
     plain = sdpa(one, k, v, is_causal=False, enable_gqa=True, eager=True)
     assert torch.equal(plain, F.scaled_dot_product_attention(one, k, v, enable_gqa=True))

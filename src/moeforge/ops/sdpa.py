@@ -55,7 +55,7 @@ def sdpa(
     eager = eager and is_causal and not torch.compiler.is_compiling() and not isinstance(q, DTensor)
     if not eager and (not upcast or dtype not in LOW_PRECISION):
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa)
-    compute = torch.float32 if upcast else dtype
+    compute = torch.float32 if upcast and dtype in LOW_PRECISION else dtype
     with torch.autocast(q.device.type, enabled=False):
         q, k, v = q.to(compute), k.to(compute), v.to(compute)
         if eager:
