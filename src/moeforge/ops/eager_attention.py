@@ -29,9 +29,10 @@ from torch import Tensor
 #: the longest sequence ``model.attention_implementation: auto`` times eager attention at: ``P`` grows with its square
 EAGER_MAX_SEQ = 1024
 
-#: bytes of fp32 scores per block of groups (the block's softmax gradient is as many elements in the inputs' dtype):
-#: one batch element's 4 groups at the benchmark's shape; forward + backward in bf16 took 18.5 ms against 21 to 22 ms
-#: with 256 KB, 512 KB or 8 MB blocks (AMD EPYC, one thread, before the causal spans; docs/benchmarks.md)
+#: bytes of a whole ``T x T`` fp32 score square per block of groups (a block's spans make 5/8 of it): 16 groups at the
+#: benchmark's shape. With the causal spans, forward + backward in bf16 took 16.0 to 18.1 ms with 8 MB blocks,
+#: against 22 ms with 2 MB, 17.8 to 19.6 ms with 4 MB and 21 to 25 ms with 16 MB (scratch timing, AMD EPYC, one
+#: thread); before the spans 2 MB had been best
 EAGER_BLOCK_BYTES = 8 * 1024 * 1024
 
 #: query spans a sequence is cut into, each scored against the keys up to its end: forward + backward in bf16 at the
