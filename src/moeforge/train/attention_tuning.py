@@ -105,3 +105,17 @@ def set_attention_core(model: nn.Module, upcast: bool, eager: bool) -> None:
     for m in model.modules():
         if isinstance(m, Attention):
             m.upcast, m.eager = upcast, eager
+
+
+def restore_attention_choice(
+    model: nn.Module, record: dict[str, Any], precision: str, implementation: str, state: dict[str, Any], source: str
+) -> None:
+    """On resume: for each of ``precision`` and ``implementation`` that is "auto", apply the checkpointed trainer
+    ``state``'s choice (``attention_upcast``, ``attention_eager``) instead of the new timing's, and note ``source``
+    in ``record`` (:func:`tune_attention`'s); an explicit setting keeps what the config says."""
+    if "auto" not in (precision, implementation):
+        return
+    upcast = bool(state["attention_upcast"]) if precision == "auto" else record["upcast"]
+    eager = bool(state["attention_eager"]) if implementation == "auto" else record["eager"]
+    set_attention_core(model, upcast, eager)
+    record.update(upcast=upcast, eager=eager, from_checkpoint=source)

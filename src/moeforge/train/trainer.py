@@ -27,7 +27,7 @@ from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.pipeline import RankStages, carve_stages, rank_stages
 from moeforge.parallel.pipeline_schedule import PipelineRunner
 from moeforge.parallel.stack import TrainingStack
-from moeforge.train.attention_tuning import set_attention_core, tune_attention
+from moeforge.train.attention_tuning import restore_attention_choice, tune_attention
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint import CheckpointManager
 from moeforge.train.checkpoint_store import checkpoints_dir, step_name
@@ -296,11 +296,9 @@ class Trainer:
         self.skipped_steps = int(state["skipped_steps"])
         self.loader.load_state_dict(state["loader"])
         m = self.cfg.model  # "auto" was timed again at start-up; the run's first choice stays
-        upcast = bool(state["attention_upcast"]) if m.attention_precision == "auto" else self.attention["upcast"]
-        eager = bool(state["attention_eager"]) if m.attention_implementation == "auto" else self.attention["eager"]
-        if "auto" in (m.attention_precision, m.attention_implementation):
-            set_attention_core(self.model, upcast, eager)
-            self.attention.update(upcast=upcast, eager=eager, from_checkpoint=path.name)
+        restore_attention_choice(
+            self.model, self.attention, m.attention_precision, m.attention_implementation, state, path.name
+        )
         log.info("resumed from %s (step %d)", path, self.step)
         return True
 
