@@ -34,7 +34,7 @@ from torch import Tensor
 from moeforge.bench.measure import disk_write_probe
 from moeforge.config import load_config
 from moeforge.model import build_model
-from moeforge.train.checkpoint_store import file_crc32
+from moeforge.train.checkpoint.store import file_crc32
 from moeforge.train.environment import collect_env
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from moeforge.bench.measure import disk_write_probe
 from moeforge.config import load_config
-from moeforge.train import checkpoint_store as store
+from moeforge.train.checkpoint import store
 from moeforge.train.environment import collect_env
 from moeforge.train.trainer import Trainer
 

@@ -15,9 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moeforge.bench.plan import make_plan
 from moeforge.config import load_config
 from moeforge.data import load_meta
+from moeforge.plan.planner import make_plan
 from moeforge.train.environment import collect_env
 
 LAYOUTS = {

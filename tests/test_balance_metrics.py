@@ -7,7 +7,7 @@ import torch
 
 from moeforge.config import MoEConfig
 from moeforge.model.moe.layer import MoELayer
-from moeforge.parallel.dispatch_rowwise import RowwiseDispatcher
+from moeforge.parallel.expert.rowwise import RowwiseDispatcher
 from moeforge.testing import run_distributed_test
 from moeforge.train.balance import balance_metrics, layer_balance_metrics, model_balance_metrics
 

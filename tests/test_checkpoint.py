@@ -20,10 +20,10 @@ import torch
 
 from moeforge.config import save_config
 from moeforge.model import build_model
-from moeforge.parallel.flat_shards import flat_range_boxes
+from moeforge.parallel.data_parallel.flat_shards import flat_range_boxes
 from moeforge.parallel.stack import LocalStack
 from moeforge.testing import run_distributed_test
-from moeforge.train.checkpoint import (
+from moeforge.train.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     CheckpointMismatchError,
@@ -31,7 +31,7 @@ from moeforge.train.checkpoint import (
     complete_checkpoints,
     verify_checkpoint,
 )
-from moeforge.train.checkpoint_store import read_metadata
+from moeforge.train.checkpoint.store import read_metadata
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer
@@ -122,7 +122,7 @@ _KILL_SCRIPT = """
 import os, signal, sys
 import torch
 from moeforge.config import load_config
-from moeforge.train import checkpoint_store
+from moeforge.train.checkpoint import store as checkpoint_store
 from moeforge.train.trainer import Trainer
 for cfg_path, phase_name in zip(sys.argv[1::2], sys.argv[2::2]):
     pid = os.fork()  # one import, one child per kill point
@@ -342,7 +342,7 @@ def test_parallel_crc32_equals_zlib_and_names_the_corrupt_file(tmp_path: Path) -
     multi-chunk files included), and verification names the one damaged file among several."""
     import zlib
 
-    from moeforge.train import checkpoint_store as store
+    from moeforge.train.checkpoint import store
 
     sizes = {"a.distcp": 0, "b.distcp": 5_000_000, "c.distcp": 123_457, ".metadata": 10}
     for i, (name, size) in enumerate(sizes.items()):

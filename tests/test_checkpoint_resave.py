@@ -11,7 +11,7 @@ import torch
 
 from moeforge.model import build_model
 from moeforge.parallel.stack import LocalStack
-from moeforge.train.checkpoint import CheckpointManager, complete_checkpoints
+from moeforge.train.checkpoint.manager import CheckpointManager, complete_checkpoints
 
 from .helpers import tiny_config
 
@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _SCRIPT = """
 import os, signal, sys
 import torch
-from moeforge.train import checkpoint_store
-from moeforge.train.checkpoint import CheckpointManager
+from moeforge.train.checkpoint import store as checkpoint_store
+from moeforge.train.checkpoint.manager import CheckpointManager
 from tests.test_checkpoint_resave import model_and_stack
 run, phase_name = sys.argv[1], sys.argv[2]
 model, stack = model_and_stack(run)

@@ -20,11 +20,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moeforge.model import build_model
-from moeforge.parallel.flat_shards import SnapshotBuffers
+from moeforge.parallel.data_parallel.flat_shards import SnapshotBuffers
 from moeforge.parallel.stack import LocalStack
 from moeforge.testing import run_distributed_test
-from moeforge.train.checkpoint import CheckpointManager, complete_checkpoints, load_model_state
-from moeforge.train.checkpoint_store import SafeFileSystemReader, read_metadata
+from moeforge.train.checkpoint.manager import CheckpointManager, complete_checkpoints, load_model_state
+from moeforge.train.checkpoint.store import SafeFileSystemReader, read_metadata
 from moeforge.train.trainer import Trainer
 
 from .helpers import tiny_config

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from moeforge.cli import main
-from moeforge.config_doc import COMMAND, render, sections
+from moeforge.config.doc import COMMAND, render, sections
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -16,7 +16,7 @@ def test_every_field_has_a_type_default_and_doc() -> None:
     found = sections()
     assert [s.path for s in found] == ["", "model", "model.moe", "data", "optim", "train", "parallel", "logging"]
     undocumented = [f"{s.path}.{f.name}" for s in found for f in s.fields if not f.doc]
-    assert not undocumented, f"add a trailing '# ...' comment to these fields in config.py: {undocumented}"
+    assert not undocumented, f"add a trailing '# ...' comment to these fields in config/sections.py: {undocumented}"
     names = {f"{s.path}.{f.name}" for s in found for f in s.fields}
     assert {"model.moe.shared_expert_gate", "model.attn_bias", "logging.wandb", "train.max_steps"} <= names
     text = render()

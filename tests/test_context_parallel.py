@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from moeforge.config import Config, ConfigError
-from moeforge.data.cp_chunks import chunk_positions, cp_chunks
+from moeforge.config import Config, ConfigError, validate_config
 from moeforge.model.transformer import MoETransformer
-from moeforge.parallel.context import parallelize_context, without_context_parallel
+from moeforge.parallel.context.attention import parallelize_context, without_context_parallel
+from moeforge.parallel.context.chunks import chunk_positions, cp_chunks
 from moeforge.parallel.mesh import build_mesh
 from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.stack import LocalStack, TrainingStack
@@ -167,7 +167,7 @@ def test_bad_cp_layouts_are_one_clear_error(overrides: dict, world: int, message
     for k, v in overrides.items():
         setattr(cfg.parallel, k, v)
     with pytest.raises(ConfigError) as err:
-        cfg.validate(world_size=world)
+        validate_config(cfg, world_size=world)
     assert str(err.value).startswith(message), str(err.value)
 
 
@@ -175,8 +175,8 @@ def test_plan_and_bench_know_cp() -> None:
     from pathlib import Path
 
     from moeforge.bench.harness import comparison_variants
-    from moeforge.bench.plan import make_plan
     from moeforge.config import load_config
+    from moeforge.plan.planner import make_plan
 
     preset = Path(__file__).resolve().parents[1] / "configs" / "presets" / "olmoe-1b-7b.yaml"
     plans = {cp: make_plan(load_config(preset, [f"--parallel.cp={cp}"]), 8) for cp in (1, 2)}

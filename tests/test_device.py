@@ -18,8 +18,8 @@ from moeforge.config import ModelConfig, MoEConfig
 from moeforge.model import build_model
 from moeforge.model.moe import MoELayer
 from moeforge.ops import grouped_mm, grouped_mm_loop
-from moeforge.parallel.dispatch_rowwise import RowwiseDispatcher
-from moeforge.parallel.nosync import HostSyncDetector
+from moeforge.parallel.expert.rowwise import RowwiseDispatcher
+from moeforge.testing.host_sync import HostSyncDetector
 from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 
 pytestmark = pytest.mark.cuda

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import moeforge.ops.eager_attention as ea
-from moeforge.config_validation import ConfigError, validate_config
+from moeforge.config.validation import ConfigError, validate_config
 from moeforge.model import build_model
 from moeforge.model.attention import Attention
 from moeforge.ops.eager_attention import EAGER_CAUSAL_SPANS, causal_spans, eager_attention, eager_saved_scores

@@ -17,9 +17,9 @@ from moeforge.config import ModelConfig, MoEConfig, ParallelConfig
 from moeforge.model.moe.dispatch import LocalDispatcher
 from moeforge.model.moe.experts import GroupedExperts
 from moeforge.model.transformer import build_model
-from moeforge.parallel.dispatch_alltoall import AllToAllDispatcher
-from moeforge.parallel.dispatch_overlap import OverlappedAllToAllDispatcher
-from moeforge.parallel.expert import make_dispatcher, parallelize_experts
+from moeforge.parallel.expert.alltoall import AllToAllDispatcher
+from moeforge.parallel.expert.overlap import OverlappedAllToAllDispatcher
+from moeforge.parallel.expert.parallelize import make_dispatcher, parallelize_experts
 from moeforge.parallel.mesh import MoEMesh, build_mesh
 from moeforge.testing import run_distributed_test
 

@@ -23,7 +23,7 @@ from moeforge.cli import main
 from moeforge.config import ConfigError, load_config, save_config
 from moeforge.data import DataError, load_meta
 from moeforge.testing.distributed import free_port
-from moeforge.train.checkpoint import complete_checkpoints, verify_checkpoint
+from moeforge.train.checkpoint.manager import complete_checkpoints, verify_checkpoint
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.metrics import read_metrics
 from moeforge.train.step_guard import weights_finite

@@ -8,7 +8,7 @@ import torch
 from moeforge.config import ModelConfig, MoEConfig
 from moeforge.model.params import named_parameter_roles
 from moeforge.model.transformer import MoETransformer
-from moeforge.parallel.grad_buckets import HEAD_SEGMENT, bucket_group_kind, param_segment, plan_buckets
+from moeforge.parallel.data_parallel.buckets import HEAD_SEGMENT, bucket_group_kind, param_segment, bucket_layout
 
 
 def _entries(n_layers: int, ep: int) -> tuple[list[str], list[tuple[int, int, torch.dtype, str | None]]]:
@@ -33,7 +33,7 @@ def test_param_segment_names_the_block() -> None:
 def test_per_block_buckets_follow_the_backward_order(ep: int) -> None:
     names, entries = _entries(3, ep)
     segments = [param_segment(n) for n in names]
-    buckets = plan_buckets(entries, 0, segments)
+    buckets = bucket_layout(entries, 0, segments)
     assert sorted(i for members, _, _ in buckets for i in members) == list(range(len(entries)))
     per_bucket = [{segments[i] for i in members} for members, _, _ in buckets]
     assert all(len(s) == 1 for s in per_bucket)  # never two blocks in one bucket
@@ -43,6 +43,6 @@ def test_per_block_buckets_follow_the_backward_order(ep: int) -> None:
     kinds = {kind for _, kind, _ in buckets}
     assert len(buckets) == (3 + 2) * len(kinds) - (len(kinds) - 1) * 2  # experts only live in blocks
     # the size cap packs several blocks together at 25 MB, and no bucket mixes group kinds
-    assert len(plan_buckets(entries, 25.0)) == len(kinds)
+    assert len(bucket_layout(entries, 25.0)) == len(kinds)
     with pytest.raises(ValueError, match="one segment per entry"):
-        plan_buckets(entries, 0)
+        bucket_layout(entries, 0)

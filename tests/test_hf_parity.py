@@ -24,7 +24,7 @@ from moeforge.interop import (
     to_safetensors,
 )
 from moeforge.model import build_model
-from moeforge.parallel.expert import parallelize_experts
+from moeforge.parallel.expert.parallelize import parallelize_experts
 from moeforge.parallel.mesh import build_mesh
 from moeforge.testing import run_distributed_test
 

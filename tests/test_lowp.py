@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from moeforge.config import ConfigError, ParallelConfig, load_config
 from moeforge.model.moe.experts import GroupedExperts
 from moeforge.ops.lowp import QUANT_OPS, lowp_linear, make_spec
-from moeforge.parallel.expert import parallelize_experts
+from moeforge.parallel.expert.parallelize import parallelize_experts
 from moeforge.parallel.low_precision import LowpLinear, apply_low_precision, lowp_linear_names
 from moeforge.parallel.mesh import build_mesh
 from moeforge.testing import run_distributed_test

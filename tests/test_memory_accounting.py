@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from moeforge.bench.plan import make_plan
 from moeforge.parallel.memory import STATE_KEYS
+from moeforge.plan.planner import make_plan
 from moeforge.testing import run_distributed_test
 from moeforge.train.trainer import Trainer
 

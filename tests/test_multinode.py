@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from moeforge.config import save_config
-from moeforge.train.checkpoint import complete_checkpoints
+from moeforge.train.checkpoint.manager import complete_checkpoints
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.metrics import read_metrics
 

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 
 from moeforge.config import ConfigError, load_config
-from moeforge.config_validation import validate_config
+from moeforge.config.validation import validate_config
 from moeforge.model.moe.router import TopKRouter
+from moeforge.optim.muon import MuonAdamW, muon_direction, muon_param_groups, newton_schulz
 from moeforge.parallel.mesh import build_mesh
-from moeforge.parallel.muon import MuonAdamW, muon_direction, muon_param_groups, newton_schulz
 from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.stack import LocalStack
 from moeforge.testing import run_distributed_test

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moeforge.config import ConfigError, save_config
-from moeforge.parallel.pipeline import balanced_split, stage_layer_counts, stage_plan
+from moeforge.config import ConfigError, save_config, validate_config
+from moeforge.parallel.pipeline.stages import balanced_split, stage_layer_counts, stage_layout
 from moeforge.testing import run_distributed_test
-from moeforge.train.checkpoint_store import checkpoints_dir, step_name
+from moeforge.train.checkpoint.store import checkpoints_dir, step_name
 from moeforge.train.metrics import read_metrics
 from moeforge.train.sampling import generate_from_run
 from moeforge.train.trainer import Trainer
@@ -165,7 +165,7 @@ def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:
 )
 def test_bad_pipeline_layouts_are_one_clear_error(tmp_path: Path, overrides: list[str], world: int, message: str):
     with pytest.raises(ConfigError) as err:
-        tiny_config(tmp_path, *overrides).validate(world_size=world)
+        validate_config(tiny_config(tmp_path, *overrides), world_size=world)
     assert str(err.value).startswith(message), str(err.value)
 
 
@@ -188,7 +188,7 @@ def test_default_split_balances_flops_and_keeps_the_head_on_the_last_stage(tmp_p
     assert sum(counts) == 6 and counts[0] >= counts[1]
     cfg = tiny_config(tmp_path, "--model.n_layers=6", "--parallel.pp=2", "--parallel.pp_layers=[2,4]")
     assert stage_layer_counts(cfg) == [2, 4]
-    plan = stage_plan(cfg, 1)
+    plan = stage_layout(cfg, 1)
     assert (plan.first_layer, plan.end_layer, plan.moe_offset, plan.moe_total) == (2, 6, 2, 6)
 
 

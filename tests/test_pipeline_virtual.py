@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moeforge.bench.plan_pipeline import pipeline_plan
 from moeforge.config import load_config
-from moeforge.parallel.pipeline import rank_stage_ids
+from moeforge.parallel.pipeline.stages import rank_stage_ids
+from moeforge.plan.pipeline import pipeline_plan
 from moeforge.testing import run_distributed_test
 from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer

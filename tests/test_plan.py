@@ -12,7 +12,9 @@ import pytest
 import torch
 import yaml
 
-from moeforge.bench.devices import (
+from moeforge.config import ModelConfig, MoEConfig, load_config
+from moeforge.model import build_model, count_params
+from moeforge.plan.devices import (
     DEVICES,
     cpu_peak_tflops,
     device_from_cuda_name,
@@ -20,10 +22,8 @@ from moeforge.bench.devices import (
     measure_matmul_tflops,
     peak_tflops,
 )
-from moeforge.bench.flops import flops_per_token, mfu, model_tflops_per_s, param_counts
-from moeforge.bench.plan import add_plan_arguments, make_plan, run_plan, valid_layouts
-from moeforge.config import ModelConfig, MoEConfig, load_config
-from moeforge.model import build_model, count_params
+from moeforge.plan.flops import flops_per_token, mfu, model_tflops_per_s, param_counts
+from moeforge.plan.planner import add_plan_arguments, make_plan, run_plan, valid_layouts
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "presets"
 
@@ -250,8 +250,8 @@ def test_device_table_and_cpu_probe() -> None:
 
 
 def test_docs_fits_table_is_generated_from_the_planner() -> None:
-    from moeforge.bench.fits_table import render
+    from moeforge.plan.fits_table import render
 
     doc = (PRESETS.parents[1] / "docs" / "flops.md").read_text()
     committed = doc.split("<!-- fits-table -->\n", 1)[1].split("<!-- /fits-table -->", 1)[0]
-    assert committed == render(PRESETS), "regenerate with: python -m moeforge.bench.fits_table"
+    assert committed == render(PRESETS), "regenerate with: python -m moeforge.plan.fits_table"

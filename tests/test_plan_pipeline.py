@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from moeforge.bench.plan import add_plan_arguments, make_plan, run_plan
-from moeforge.bench.plan_pipeline import in_flight
 from moeforge.config import load_config
+from moeforge.plan.pipeline import in_flight
+from moeforge.plan.planner import add_plan_arguments, make_plan, run_plan
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare.yaml"
 BASE = ["--model.vocab_size=4096", "--parallel.pp=2", "--train.global_batch_size=32", "--train.micro_batch_size=16"]

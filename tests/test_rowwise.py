@@ -16,12 +16,12 @@ from moeforge.model.moe.dispatch import LocalDispatcher
 from moeforge.model.moe.experts import GroupedExperts
 from moeforge.model.moe.router import TopKRouter
 from moeforge.model.transformer import build_model
-from moeforge.parallel.dispatch_alltoall import AllToAllDispatcher
-from moeforge.parallel.dispatch_rowwise import RowwiseDispatcher, pair_capacity
-from moeforge.parallel.expert import parallelize_experts
+from moeforge.parallel.expert.alltoall import AllToAllDispatcher
+from moeforge.parallel.expert.parallelize import parallelize_experts
+from moeforge.parallel.expert.rowwise import RowwiseDispatcher, pair_capacity
 from moeforge.parallel.mesh import MoEMesh, build_mesh
-from moeforge.parallel.nosync import HostSyncDetector
 from moeforge.testing import run_distributed_test
+from moeforge.testing.host_sync import HostSyncDetector
 
 from .helpers import run_dispatch
 

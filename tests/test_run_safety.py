@@ -16,7 +16,7 @@ import torch
 
 from moeforge.cli import main
 from moeforge.config import save_config
-from moeforge.train.checkpoint import complete_checkpoints, verify_checkpoint
+from moeforge.train.checkpoint.manager import complete_checkpoints, verify_checkpoint
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.metrics import read_metrics
 from moeforge.train.sampling import generate_from_run

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from moeforge.config import Config, ModelConfig, MoEConfig
 from moeforge.model.moe import GroupedExperts
 from moeforge.model.transformer import MoETransformer, build_model
-from moeforge.parallel.grad_buckets import param_segment
+from moeforge.parallel.data_parallel.buckets import param_segment
 from moeforge.parallel.mesh import MoEMesh, build_mesh
 from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.stack import LocalStack, TrainingStack

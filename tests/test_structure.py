@@ -19,23 +19,23 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "moeforge"
 # Lower layers never import higher ones; packages of one level never import each other.
 LEVELS = {
     "__init__": 0,  # the root package: only the version string
-    "config": 0,
-    "config_validation": 0,
-    "config_doc": 1,  # python -m moeforge.config_doc: renders the config module
     "errors": 0,  # exit codes and error classes, imports nothing of moeforge
-    "ops": 1,
-    "model": 2,
-    "data": 3,
-    "interop": 3,
-    "parallel": 4,
-    "train": 5,
-    "report": 6,
-    "bench": 7,  # its pages use the report's plots
-    "experiment": 7,  # runs `moeforge train` per variant, tables from the report's readers
-    "testing": 8,
-    "launch": 8,
-    "cli": 9,
-    "__main__": 10,
+    "config": 1,  # sections, loading, validation; config.doc renders the sections module
+    "ops": 2,
+    "model": 3,
+    "data": 4,
+    "interop": 4,
+    "optim": 4,  # update rules and schedules: they know no ranks
+    "parallel": 5,
+    "train": 6,
+    "plan": 7,  # accounting and `moeforge plan`: reads parallel's layouts, never trains
+    "report": 7,
+    "bench": 8,  # its pages use the report's plots and the plan's peaks
+    "experiment": 8,  # runs `moeforge train` per variant, tables from the report's readers
+    "testing": 9,
+    "launch": 9,
+    "cli": 10,
+    "__main__": 11,
 }
 
 
@@ -72,9 +72,88 @@ def test_dependencies_point_one_way() -> None:
     found = _imports()
     unknown = sorted({p for a, b, _ in found for p in (a, b) if p not in LEVELS})
     assert not unknown, f"add {unknown} to LEVELS"
-    config = {"__init__", "config", "config_validation", "errors"}
-    bad = [(f, a, b) for a, b, f in found if LEVELS[b] >= LEVELS[a] and not {a, b} <= config]
+    bad = [(f, a, b) for a, b, f in found if LEVELS[b] >= LEVELS[a] and b != "__init__"]
     assert not bad, f"upward or sideways imports: {bad}"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Every moeforge module and the moeforge modules it imports, TYPE_CHECKING blocks included.
+
+    ``from a.b import c`` counts as an import of ``a.b.c`` when that is a module, else of ``a.b``.
+    """
+    out: dict[str, set[str]] = {}
+    for f in SRC.rglob("*.py"):
+        name = ".".join(("moeforge", *f.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moeforge"):
+                for alias in node.names:
+                    sub = SRC.joinpath(*node.module.split(".")[1:], alias.name)
+                    found.add(f"{node.module}.{alias.name}" if sub.with_suffix(".py").exists() else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("moeforge")}
+        out[name] = found - {name}
+    return out
+
+
+def test_no_file_imports_itself_through_others() -> None:
+    """No circle of imports between files, not even one that only type checkers follow."""
+    graph = _module_imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            # a package's __init__ re-exporting its own modules is the package, not a circle
+            if nxt not in graph or node.startswith(nxt + "."):
+                continue
+            if state.get(nxt) == 1:
+                circles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, f"import circles: {circles}"
+
+
+# Sub-packages that carry the design (docs/architecture.md): a concept a folder.
+SUBPACKAGES = {
+    "config": {"sections", "loading", "validation", "doc"},
+    "optim": {"adamw", "muon", "schedule"},
+    "plan": {"planner", "activations", "pipeline", "tensor", "flops", "devices"},
+    "parallel/expert": {"parallelize", "alltoall", "rowwise", "overlap"},
+    "parallel/pipeline": {"stages", "schedule", "timing"},
+    "parallel/tensor": {"parallelize"},
+    "parallel/context": {"attention", "chunks"},
+    "parallel/data_parallel": {"ddp", "fsdp", "buckets", "flat_shards", "distributed_optimizer"},
+    "train/checkpoint": {"manager", "load", "policy", "state", "store"},
+    "testing": {"distributed", "host_sync"},
+}
+# What stays flat in parallel/: the mesh, the stack interface and what applies across dimensions.
+PARALLEL_FLAT = {
+    "__init__",
+    "mesh",
+    "stack",
+    "parallelize",
+    "activation_checkpoint",
+    "compile",
+    "low_precision",
+    "memory",
+}
+
+
+def test_subpackages_hold_their_concepts() -> None:
+    for package, modules in SUBPACKAGES.items():
+        here = {f.stem for f in (SRC / package).glob("*.py")}
+        assert modules <= here, f"{package}/ lacks {sorted(modules - here)}"
+    flat = {f.stem for f in (SRC / "parallel").glob("*.py")}
+    assert flat <= PARALLEL_FLAT, f"parallel/ gains flat files {sorted(flat - PARALLEL_FLAT)}: give them a sub-package"
+    stray = [f.name for f in (SRC / "train").glob("checkpoint*.py")]
+    assert not stray, f"checkpoint modules belong in train/checkpoint/: {stray}"
 
 
 class _Renamed(nn.Module):

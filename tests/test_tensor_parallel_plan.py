@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from moeforge.bench.plan import make_plan
 from moeforge.config import ConfigError, load_config
 from moeforge.model.params import param_counts
-from moeforge.parallel.tensor import tensor_parallel_numel
+from moeforge.parallel.tensor.parallelize import tensor_parallel_numel
+from moeforge.plan.planner import make_plan
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "presets"
 TINY = [

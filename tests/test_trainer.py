@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeforge.train.checkpoint import complete_checkpoints
+from moeforge.train.checkpoint.manager import complete_checkpoints
 from moeforge.train.metrics import read_metrics
 from moeforge.train.sampling import generate_from_run
 from moeforge.train.trainer import Trainer, TrainingError
@@ -99,7 +99,7 @@ def test_generate_from_run(tmp_path: Path) -> None:
     b = generate_from_run(cfg.train.run_dir, "the king", 12, 0.8, 20, seed=1)
     assert a == b and a.startswith("the king") and len(a) > len("the king")
     shutil.rmtree(Path(cfg.train.run_dir) / "checkpoints")
-    from moeforge.train.checkpoint import CheckpointError
+    from moeforge.train.checkpoint.manager import CheckpointError
 
     with pytest.raises(CheckpointError, match="no loadable checkpoint"):
         generate_from_run(cfg.train.run_dir, "x", 2, 0.8, 20, seed=1)

@@ -233,7 +233,7 @@ def _add_experiment_command(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
     from moeforge.bench.harness import add_bench_arguments, run_bench
-    from moeforge.bench.plan import add_plan_arguments, run_plan
+    from moeforge.plan.planner import add_plan_arguments, run_plan
 
     p = sub.add_parser("plan", help="parameters, FLOPs, memory and communication per layout")
     add_plan_arguments(p)

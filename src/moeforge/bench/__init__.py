@@ -1,16 +1,1 @@
-"""Benchmarks and accounting: FLOPs per token, device peaks, ``moeforge plan``, ``moeforge bench``."""
-
-from moeforge.bench.devices import DEVICES, DeviceSpec, cpu_peak_tflops, get_device, peak_tflops
-from moeforge.bench.flops import flops_per_token, mfu, model_tflops_per_s, param_counts
-
-__all__ = [
-    "DEVICES",
-    "DeviceSpec",
-    "cpu_peak_tflops",
-    "flops_per_token",
-    "get_device",
-    "mfu",
-    "model_tflops_per_s",
-    "param_counts",
-    "peak_tflops",
-]
+"""``moeforge bench``: named variants of one config side by side, in-process comparisons against peers, reports."""

@@ -31,11 +31,11 @@ from torch import Tensor, nn
 
 from moeforge.bench.alternate import alternate_timed, summarize
 from moeforge.bench.energy import EnergyMeter, energy_record
-from moeforge.bench.flops import flops_per_token
 from moeforge.bench.peers import hf_causal_lm, transformers_version
 from moeforge.config import ModelConfig
-from moeforge.config_validation import fused_loss_blocker
+from moeforge.config.validation import fused_loss_blocker
 from moeforge.model import build_model
+from moeforge.plan.flops import flops_per_token
 from moeforge.train.attention_tuning import tune_attention
 from moeforge.train.losses import fused_loss_enabled, lm_loss_fn, moe_aux_terms
 

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def rowwise_without_sync(device: torch.device, tokens: int = 4096) -> dict[str, Any]:
     """Forward + backward of a bf16 MoE layer with the rowwise dispatcher under sync debug mode 'error'."""
     from moeforge.bench.compare_layer import build_layer, layer_inputs
-    from moeforge.parallel.dispatch_rowwise import RowwiseDispatcher
+    from moeforge.parallel.expert.rowwise import RowwiseDispatcher
 
     moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=1024, norm_topk_prob=True, dispatcher="rowwise")
     layer = build_layer(512, moe, 0, torch.bfloat16, device)

@@ -60,7 +60,7 @@ def fp8_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def plan_variants(args: argparse.Namespace) -> tuple[list[Variant], str, str | None]:
+def select_variants(args: argparse.Namespace) -> tuple[list[Variant], str, str | None]:
     """``(variants, kind label, reference name)`` from the command line."""
     chosen = [bool(args.compare), bool(args.sweep), bool(args.variant)]
     if sum(chosen) > 1:
@@ -108,7 +108,7 @@ def measure_cpu_peaks(nprocs: set[int], probe_s: float) -> dict[int, dict[str, f
     """The CPU matmul peak (fp32 and bf16) at each worker thread count, measured here, one at a time."""
     import torch
 
-    from moeforge.bench.devices import cpu_peak_tflops
+    from moeforge.plan.devices import cpu_peak_tflops
 
     before = torch.get_num_threads()
     peaks = {}
@@ -207,7 +207,7 @@ def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
         from moeforge.bench.inprocess import run_inprocess
 
         return run_inprocess(args, extra, base)
-    variants, kind, reference = plan_variants(args)
+    variants, kind, reference = select_variants(args)
     out = Path(args.out)
     configs = [resolve_config(base, extra, v, args) for v in variants]  # every mistake before any launch
     from moeforge.data import prepare_data

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from moeforge.bench.devices import device_from_cuda_name, measure_matmul_tflops
 from moeforge.config import ConfigError, load_config
+from moeforge.plan.devices import device_from_cuda_name, measure_matmul_tflops
 from moeforge.train.environment import collect_env
 
 log = logging.getLogger(__name__)

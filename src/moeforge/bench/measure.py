@@ -17,9 +17,9 @@ from torch import Tensor
 from torch.autograd import DeviceType
 from torch.profiler import profile
 
-from moeforge.bench.devices import cpu_peak_tflops, device_from_cuda_name, measure_matmul_tflops, peak_tflops
 from moeforge.parallel.mesh import MoEMesh
-from moeforge.train.checkpoint_store import checkpoints_dir, step_name
+from moeforge.plan.devices import cpu_peak_tflops, device_from_cuda_name, measure_matmul_tflops, peak_tflops
+from moeforge.train.checkpoint.store import checkpoints_dir, step_name
 from moeforge.train.trainer import Trainer
 
 

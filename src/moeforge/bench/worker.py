@@ -52,7 +52,6 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from moeforge.bench.energy import EnergyMeter, rank_energy
-from moeforge.bench.flops import flops_per_token, model_tflops_per_s, param_counts
 from moeforge.bench.measure import (
     all_reduce,
     barrier,
@@ -67,9 +66,10 @@ from moeforge.bench.stability import activation_maxima, grad_norm_spikes
 from moeforge.config import load_config, save_config
 from moeforge.data import ShardedLoader, TokenWindows
 from moeforge.ops.lowp import QUANT_OPS
-from moeforge.parallel.pipeline_timing import WaitTimer, p2p_wait_timer
+from moeforge.optim.schedule import lr_at
+from moeforge.parallel.pipeline.timing import WaitTimer, p2p_wait_timer
+from moeforge.plan.flops import flops_per_token, model_tflops_per_s, param_counts
 from moeforge.train.balance import per_layer_metrics
-from moeforge.train.schedule import lr_at
 from moeforge.train.trainer import Trainer
 
 log = logging.getLogger("moeforge.bench.worker")
@@ -140,7 +140,7 @@ def stability_record(trainer: Trainer, micro_batch: Tensor, grad_norms: list[flo
     acts: list[float] = []
     if trainer.pipeline is None:  # one forward of the whole model on this rank's first micro-batch
         model = trainer.model
-        acts = activation_maxima(model, model.blocks(), micro_batch[:, :-1].to(trainer.device), trainer._autocast())
+        acts = activation_maxima(model, model.blocks(), micro_batch[:, :-1].to(trainer.device), trainer.autocast())
     return {
         "kernels": None if lowp is None else ("emulated" if lowp.emulated else "native"),
         "quant_ops_per_step": ops,

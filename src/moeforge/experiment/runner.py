@@ -52,7 +52,7 @@ def train_argv(config: str, overrides: list[str], variant: Variant, run_dir: Pat
     return argv
 
 
-def plan_experiment(name: str, config: str, overrides: list[str]) -> list[Variant]:
+def experiment_runs(name: str, config: str, overrides: list[str]) -> list[Variant]:
     """The variants of experiment ``name`` for the base config; validates every variant's config."""
     if name not in EXPERIMENTS:
         raise ConfigError(f"experiment: unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
@@ -76,7 +76,7 @@ def run_experiment(
     """Train the variants of ``name`` one after the other and write ``results.json`` / ``results.md``."""
     overrides = list(overrides or [])
     out = Path(out_dir)
-    variants = plan_experiment(name, config, overrides)
+    variants = experiment_runs(name, config, overrides)
     env = collect_env()
     runs = []
     for v in variants:

@@ -8,7 +8,7 @@ expert gradient into the wrong reduction group or a norm into weight decay:
 - ``NO_DECAY``: norm weights, embeddings, and any 1-D parameter (biases);
 - ``DECAY``: every other matrix.
 
-The roles survive :func:`~moeforge.parallel.expert.parallelize_experts` and
+The roles survive :func:`~moeforge.parallel.expert.parallelize.parallelize_experts` and
 FSDP2's ``fully_shard`` (both keep the module tree and its classes). A tied
 LM head takes the role of the embedding it shares (the first owner wins).
 """

@@ -92,7 +92,7 @@ class MoETransformer(nn.Module):
     def blocks(self) -> list[Block]:
         """The blocks this module holds, in layer order.
 
-        A pipeline stage (``moeforge.parallel.pipeline``) keeps only its own
+        A pipeline stage (``moeforge.parallel.pipeline.stages``) keeps only its own
         blocks in ``layers`` (a ModuleDict keyed by the layer index, so the
         parameter names stay those of the whole model) and sets the parts it
         does not run (``embed_tokens``, ``norm``, ``lm_head``) to None; the

@@ -1,0 +1,1 @@
+"""Parallelism applied to a built model: one DeviceMesh, then expert, pipeline, tensor, context and data parallelism."""

@@ -5,7 +5,7 @@ rank to ``RUN/memory.json`` after its first step, and ``moeforge plan --json``
 prints :func:`predict_state` for the config's own layout under ``"predicted"``.
 The prediction builds the model on the meta device, applies the same dtype and
 expert sharding, and lays the gradient buckets out with the reducer's own
-:func:`~moeforge.parallel.grad_buckets.plan_buckets`, so the two agree to the byte
+:func:`~moeforge.parallel.data_parallel.buckets.bucket_layout`, so the two agree to the byte
 (``tests/test_memory_accounting.py``).
 
 Keys (bytes on one rank):
@@ -31,8 +31,8 @@ from moeforge.config import Config
 from moeforge.model.moe.experts import local_tensor
 from moeforge.model.params import EXPERT, named_parameter_roles
 from moeforge.model.transformer import MoETransformer
-from moeforge.parallel.ddp import DDPStack
-from moeforge.parallel.grad_buckets import bucket_group_kind, padded_numel, param_segment, plan_buckets
+from moeforge.parallel.data_parallel.buckets import bucket_group_kind, padded_numel, param_segment, bucket_layout
+from moeforge.parallel.data_parallel.ddp import DDPStack
 from moeforge.parallel.stack import DTYPES, TrainingStack
 
 STATE_KEYS = ("params_bytes", "grads_bytes", "master_bytes", "optim_bytes")
@@ -96,7 +96,7 @@ def predict_state(cfg: Config, world: int) -> list[dict[str, int]]:
     grad_elt = torch.tensor([], dtype=DTYPES[cfg.parallel.grad_reduce_dtype]).element_size()
     grads = master = optim = 0
     segments = [param_segment(name) for name, _, _ in named_full]
-    for members, kind, _ in plan_buckets(entries, cfg.parallel.bucket_size_mb, segments):
+    for members, kind, _ in bucket_layout(entries, cfg.parallel.bucket_size_mb, segments):
         padded = padded_numel(sum(entries[i][0] for i in members), sizes[kind])
         shard = padded // sizes[kind]
         grads += padded * grad_elt

@@ -4,15 +4,15 @@ Layout: ``world = pp * dp * cp * tp``, dims in that order with tp innermost:
 ``rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i``. Pipeline stage ``s``
 is ranks ``[s * dp * cp * tp, (s + 1) * dp * cp * tp)``. ``dp`` counts the
 distinct batches of a stage; the ``cp`` ranks of one ``dp`` index hold chunks
-of the same sequences (:mod:`moeforge.parallel.context`); the ``tp`` ranks of
-one (dp, cp) index share a tensor-parallel group (:mod:`moeforge.parallel.tensor`).
+of the same sequences (:mod:`moeforge.parallel.context.attention`); the ``tp`` ranks of
+one (dp, cp) index share a tensor-parallel group (:mod:`moeforge.parallel.tensor.parallelize`).
 
 Expert parallelism is folded over ``dp x cp``: for one (stage, tp index)
 those ranks are the MoE's data ranks, split ``(edp, ep)`` with ep innermost,
 so with ``cp == tp == 1`` ranks ``[0, ep)`` of a stage hold all experts
 between them. The MoE DeviceMesh has dims ``("pp"?, "edp", "ep", "tp"?)``.
 
-Which group reduces which gradient (:mod:`moeforge.parallel.grad_buckets`):
+Which group reduces which gradient (:mod:`moeforge.parallel.data_parallel.buckets`):
 
 - dense parameters over ``dp_cp_group`` (the stage's ranks of this tp index:
   cp ranks see other tokens of the same sequences);
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moeforge.config import ParallelConfig
-from moeforge.config_validation import check_ep
+from moeforge.config.validation import check_ep
 
 
 @dataclass

@@ -8,13 +8,13 @@ from moeforge.config import Config
 from moeforge.model.moe.experts import GroupedExperts
 from moeforge.parallel.activation_checkpoint import apply_activation_checkpointing
 from moeforge.parallel.compile import apply_compile
-from moeforge.parallel.context import parallelize_context
-from moeforge.parallel.ddp import DDPStack
-from moeforge.parallel.expert import parallelize_experts
-from moeforge.parallel.fsdp import FSDPStack
+from moeforge.parallel.context.attention import parallelize_context
+from moeforge.parallel.data_parallel.ddp import DDPStack
+from moeforge.parallel.data_parallel.fsdp import FSDPStack
+from moeforge.parallel.expert.parallelize import parallelize_experts
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.stack import DTYPES, LocalStack, TrainingStack, cast_parameters
-from moeforge.parallel.tensor import parallelize_tensor
+from moeforge.parallel.tensor.parallelize import parallelize_tensor
 
 
 def build_stack(model: nn.Module, cfg: Config, mesh: MoEMesh) -> TrainingStack:

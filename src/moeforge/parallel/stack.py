@@ -2,9 +2,9 @@
 
 A :class:`TrainingStack` is a model laid out over the mesh plus the optimizer
 that fits that layout. Implementations: :class:`LocalStack` (one process,
-torch AdamW), :class:`~moeforge.parallel.ddp.DDPStack` (experts resident over
+torch AdamW), :class:`~moeforge.parallel.data_parallel.ddp.DDPStack` (experts resident over
 ep, bucketed reduce-scatter, the distributed optimizer) and
-:class:`~moeforge.parallel.fsdp.FSDPStack` (FSDP2). Each stack also exposes
+:class:`~moeforge.parallel.data_parallel.fsdp.FSDPStack` (FSDP2). Each stack also exposes
 its optimizer state in the canonical, topology-neutral checkpoint format
 (``{"<fqn>.exp_avg" | ".exp_avg_sq" | ".step" [| ".master"]: tensor}``), so the
 checkpoint code never needs to know which optimizer it holds.
@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config, OptimConfig
 from moeforge.model.params import EXPERT, NO_DECAY, named_parameter_roles
-from moeforge.parallel.flat_shards import Stage
-from moeforge.parallel.muon import MuonAdamW, muon_param_groups
+from moeforge.optim.muon import MuonAdamW, muon_param_groups
+from moeforge.parallel.data_parallel.flat_shards import Stage
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -18,9 +18,9 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from moeforge.config import Config, ConfigError, load_config, save_config
+from moeforge.config import Config, ConfigError, load_config, save_config, validate_config
 from moeforge.model import MoETransformer, build_model
-from moeforge.train.checkpoint import (
+from moeforge.train.checkpoint.manager import (
     CheckpointError,
     complete_checkpoints,
     load_full_state_dict,
@@ -102,7 +102,7 @@ def hf_to_run(
     moe = dataclasses.replace(model.cfg.moe, **{k: getattr(cfg.model.moe, k) for k in TRAINING_ONLY_MOE_FIELDS})
     cfg.model = dataclasses.replace(model.cfg, moe=moe, init_std=cfg.model.init_std)
     cfg.train.run_dir = str(run)
-    cfg.validate()
+    validate_config(cfg)
     run.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run / "config.yaml")
     write_model_checkpoint(run, model, step=0)

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from moeforge.model import MoETransformer
 from moeforge.model.moe.layer import routing_losses
 from moeforge.ops.cross_entropy import ChunkedCrossEntropy
-from moeforge.parallel.tp_loss import vocab_parallel_cross_entropy
+from moeforge.parallel.tensor.loss import vocab_parallel_cross_entropy
 
 
 def moe_aux_terms(model: MoETransformer) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,7 +1,7 @@
 """The pipelined halves of the trainer's step and eval (``parallel.pp > 1``).
 
 The stage's forward and backward run inside a ``torch.distributed.pipelining``
-schedule (:class:`~moeforge.parallel.pipeline_schedule.PipelineRunner`); this
+schedule (:class:`~moeforge.parallel.pipeline.schedule.PipelineRunner`); this
 module turns what the stage recorded into the same per-rank sums the
 single-stage loop produces, so the trainer's one collective per step (over the
 world: every stage, every data shard) yields the same losses and loads as one
@@ -12,7 +12,8 @@ MoE layers, and each stage's loads in its rows of the whole model's table.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -20,14 +21,26 @@ from torch import Tensor
 from moeforge.config import Config
 from moeforge.model import MoETransformer
 from moeforge.parallel.mesh import MoEMesh
-from moeforge.parallel.pipeline import RankStages, stage_ranks
-from moeforge.parallel.pipeline_schedule import PipelineRunner
-from moeforge.parallel.stack import DTYPES
+from moeforge.parallel.pipeline.schedule import PipelineRunner
+from moeforge.parallel.pipeline.stages import RankStages, stage_ranks
+from moeforge.parallel.stack import DTYPES, TrainingStack
 from moeforge.train.balance import LoadAccumulator, packed_width
 from moeforge.train.losses import lm_loss_fn
 
-if TYPE_CHECKING:
-    from moeforge.train.trainer import Trainer
+
+class PipelinedTrainer(Protocol):
+    """What the pipelined step reads of the trainer (:class:`~moeforge.train.trainer.Trainer` has it)."""
+
+    cfg: Config
+    model: MoETransformer
+    mesh: MoEMesh
+    device: torch.device
+    stack: TrainingStack
+    pipeline: PipelineRunner | None
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The step's autocast context."""
+        ...
 
 
 def build_pipeline(
@@ -55,7 +68,7 @@ def build_pipeline(
     )
 
 
-def pipelined_forward_backward(trainer: Trainer, micro_batches: list[Tensor]) -> tuple[Tensor, Tensor]:
+def pipelined_forward_backward(trainer: PipelinedTrainer, micro_batches: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Run the step's micro-batches through the pipeline; ``(sums [loss, lm, aux, z], loads of all MoE layers)``.
 
     Gradients are only accumulated during the schedule; the trainer's
@@ -81,30 +94,30 @@ def pipelined_forward_backward(trainer: Trainer, micro_batches: list[Tensor]) ->
         chunk.on_forward = recorder(load)
     trainer.stack.set_grad_sync(False)  # accumulate; finish_grad_sync reduces after the schedule
     try:
-        with trainer._autocast():
+        with trainer.autocast():
             losses = pipe.run_train(inputs, targets, n_micro)
     finally:
         for chunk in pipe.chunks:
             chunk.on_forward = None
     lm = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros((), device=device)
     lm = lm.to(device)
-    plans = pipe.stages.plans
-    n_layers = max(plans[0].moe_total, 1)
+    layouts = pipe.stages.layouts
+    n_layers = max(layouts[0].moe_total, 1)
     weighted = rec[0] / n_micro
     sums = torch.stack([lm + weighted, lm, rec[1] / (n_micro * n_layers), rec[2] / (n_micro * n_layers)])
     num_experts = trainer.cfg.model.moe.num_experts
-    full = torch.zeros(plans[0].moe_total, packed_width(num_experts, mesh.ep), device=device)
-    for plan, load in zip(plans, loads):
-        if plan.moe_count:
-            full[plan.moe_offset : plan.moe_offset + plan.moe_count] = load.sum
+    full = torch.zeros(layouts[0].moe_total, packed_width(num_experts, mesh.ep), device=device)
+    for layout, load in zip(layouts, loads):
+        if layout.moe_count:
+            full[layout.moe_offset : layout.moe_offset + layout.moe_count] = load.sum
     return sums, full
 
 
-def pipelined_eval_sums(trainer: Trainer, batch: Tensor) -> Tensor:
+def pipelined_eval_sums(trainer: PipelinedTrainer, batch: Tensor) -> Tensor:
     """``[loss * tokens, tokens]`` (float64) of one eval batch: the last stage's, zeros on the others."""
     pipe: PipelineRunner = trainer.pipeline  # type: ignore[assignment]
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    with trainer._autocast():
+    with trainer.autocast():
         losses = pipe.run_eval(inputs, targets)
     acc = torch.zeros(2, device=trainer.device, dtype=torch.float64)
     if losses:

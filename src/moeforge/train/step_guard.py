@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from moeforge.errors import TRAINING
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.stack import TrainingStack
-from moeforge.train.checkpoint_store import complete_checkpoints
+from moeforge.train.checkpoint.store import complete_checkpoints
 
 
 def all_finite(flag: Tensor, mesh: MoEMesh) -> bool:

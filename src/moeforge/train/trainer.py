@@ -15,22 +15,23 @@ import torch
 from torch import Tensor
 
 from moeforge.config import Config, ConfigError, save_config
-from moeforge.config_validation import config_fused_loss_blocker
+from moeforge.config.validation import config_fused_loss_blocker
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
-from moeforge.data.cp_chunks import cp_chunks
 from moeforge.model import MoETransformer, build_model
-from moeforge.parallel.context import without_context_parallel
+from moeforge.optim.schedule import lr_at
+from moeforge.parallel.context.attention import without_context_parallel
+from moeforge.parallel.context.chunks import cp_chunks
 from moeforge.parallel.low_precision import apply_low_precision
 from moeforge.parallel.memory import SavedTensorMeter, measure_state
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.parallelize import build_stack
-from moeforge.parallel.pipeline import RankStages, carve_stages, rank_stages
-from moeforge.parallel.pipeline_schedule import PipelineRunner
+from moeforge.parallel.pipeline.schedule import PipelineRunner
+from moeforge.parallel.pipeline.stages import RankStages, carve_stages, rank_stages
 from moeforge.parallel.stack import TrainingStack
 from moeforge.train.attention_tuning import restore_attention_choice, tune_attention
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
-from moeforge.train.checkpoint import CheckpointManager
-from moeforge.train.checkpoint_store import checkpoints_dir, step_name
+from moeforge.train.checkpoint.manager import CheckpointManager
+from moeforge.train.checkpoint.store import checkpoints_dir, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
 from moeforge.train.losses import fused_loss_enabled, lm_loss_fn, moe_aux_terms
@@ -38,7 +39,6 @@ from moeforge.train.memory_record import gather_memory, write_memory_json
 from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
 from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
 from moeforge.train.run_lock import RunLock, acquire_run_lock
-from moeforge.train.schedule import lr_at
 from moeforge.train.step_guard import TrainingError, guarded_step, streak_message
 
 log = logging.getLogger(__name__)
@@ -91,16 +91,16 @@ class Trainer:
             )
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
-        self.plan: RankStages | None = None  # this rank's pipeline stages (parallel.pp > 1)
+        self.stages: RankStages | None = None  # this rank's pipeline stages (parallel.pp > 1)
         if self.mesh.pp > 1:
-            self.plan = rank_stages(cfg, self.mesh.pp_rank)
-            carve_stages(model, self.plan)  # only this rank's stages' parts stay (parameter names unchanged)
+            self.stages = rank_stages(cfg, self.mesh.pp_rank)
+            carve_stages(model, self.stages)  # only this rank's stages' parts stay (parameter names unchanged)
         self.lowp = apply_low_precision(model, cfg, self.device)  # mxfp8 / fp8_rowwise GEMMs (None otherwise)
         self.stack: TrainingStack = build_stack(model, cfg, self.mesh)
         self.model: MoETransformer = model
         self.pipeline: PipelineRunner | None = None
-        if self.plan is not None:
-            self.pipeline = build_pipeline(model, self.plan, cfg, self.mesh, self.device)
+        if self.stages is not None:
+            self.pipeline = build_pipeline(model, self.stages, cfg, self.mesh, self.device)
         self.train_data = TokenWindows.from_meta(self.meta, "train", cfg.data.seq_len)
         self.val_data = TokenWindows.from_meta(self.meta, "val", cfg.data.seq_len)
         self.loader = ShardedLoader(
@@ -135,7 +135,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _autocast(self) -> Any:
+    def autocast(self) -> Any:
         return torch.autocast(
             self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
         )
@@ -151,7 +151,7 @@ class Trainer:
     def _lm_loss(self, inputs: Tensor, targets: Tensor, upcast: bool) -> Tensor:
         """One micro-batch's mean next-token loss (fp32), the forward under autocast: the model's fused head and
         loss, or its logits through :func:`lm_loss_fn` (``upcast``: on an fp32 copy off the CPU)."""
-        with self._autocast():
+        with self.autocast():
             if self.fused_loss:
                 return self.model(inputs, labels=targets)
             logits = self.model(inputs)
@@ -203,7 +203,7 @@ class Trainer:
         num_experts = cfg.model.moe.num_experts
         if finite:
             own = model.moe_layers()
-            rows = self.plan.moe_rows if self.plan is not None else list(range(len(own)))
+            rows = self.stages.moe_rows if self.stages is not None else list(range(len(own)))
             counts = loads[rows, :num_experts].to(self.device)
             for layer, c in zip(own, counts):
                 layer.router.update_bias(c)
@@ -413,6 +413,6 @@ class Trainer:
             self.checkpointer.wait()
             barrier(self.mesh)
             model = load_run_model(self.run_dir).to(self.device)
-        with self._autocast(), without_context_parallel(model):  # every rank feeds the whole sequence
+        with self.autocast(), without_context_parallel(model):  # every rank feeds the whole sequence
             out = generate(model, ids, max_new_tokens, seed=self.cfg.train.seed)
         return tok.decode(out[0].tolist())

@@ -1,0 +1,1 @@
+"""Optimizer update rules and learning-rate schedules; they know no ranks."""

@@ -1,0 +1,1 @@
+"""Context parallelism: load-balanced causal chunks of each sequence, attention kept exact."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism (Megatron-style, with sequence parallelism) applied to a built model."""

@@ -1,0 +1,167 @@
+"""Tensor parallelism with sequence parallelism (Megatron-style), applied to a built model.
+
+:func:`parallelize_tensor` changes a built :class:`MoETransformer` in place so
+that, over the ``tp`` ranks of ``mesh.tp_group``:
+
+- the residual stream, the norms and the MoE layers run *sequence-parallel*:
+  each tp rank holds ``T / tp`` positions of every sequence (full hidden size);
+- attention is split by heads: q/k/v column-parallel (this rank's
+  ``n_heads / tp`` query heads and ``kv_heads / tp`` key/value heads, so GQA
+  groups stay on one rank), the output projection row-parallel. The block's
+  input is all-gathered along the sequence on the way in and the partial
+  outputs reduce-scattered back on the way out. Per-head QK-norm weights are
+  replicated; the 'full' QK-norm becomes a :class:`ShardedRMSNorm`;
+- dense MLPs and shared experts are column-parallel (gate, up) then
+  row-parallel (down), with the same gather / reduce-scatter around them;
+- the embedding and the LM head are vocab-parallel; the head returns
+  vocab-sharded logits for the vocab-parallel cross-entropy;
+- MoE layers see their own slice of tokens: the router works on the full
+  hidden state of those tokens, and its load-balancing and z losses sum their
+  statistics over the tp ranks (:attr:`TopKRouter.token_stats_reduce`), so they
+  are those of the whole batch. Experts stay expert-parallel (no expert TP):
+  each tp index has its own ep group, and expert weights are replicated over
+  the tp ranks, whose gradients are summed over ``mesh.edp_group``.
+
+Weights become DTensors over ``mesh.tp_mesh`` with their full logical shape
+(:mod:`moeforge.parallel.tensor.modules`), so checkpoints do not depend on tp.
+Call before building the optimizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moeforge.config import ModelConfig
+from moeforge.config.validation import ConfigError
+from moeforge.model.attention import Attention
+from moeforge.model.layers import SwiGLU
+from moeforge.model.moe.layer import MoELayer
+from moeforge.model.transformer import MoETransformer
+from moeforge.parallel.mesh import MoEMesh
+from moeforge.parallel.tensor.collectives import gather_along, reduce_scatter_along, sum_forward_only
+from moeforge.parallel.tensor.modules import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardedRMSNorm,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _region(module: nn.Module, dim: int, group: dist.ProcessGroup) -> None:
+    """Gather the first input along ``dim`` before ``module`` runs; reduce-scatter its output after."""
+
+    def enter(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (gather_along(args[0], dim, group), *args[1:])
+
+    def leave(_: nn.Module, __: tuple[Any, ...], out: Tensor) -> Tensor:
+        return reduce_scatter_along(out, dim, group)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+def _parallelize_swiglu(mlp: SwiGLU, mesh: MoEMesh, dim: int) -> None:
+    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, mesh.tp_mesh)  # type: ignore[assignment,arg-type]
+    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, mesh.tp_mesh)  # type: ignore[assignment,arg-type]
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, mesh.tp_mesh)  # type: ignore[assignment,arg-type]
+    _region(mlp, dim, mesh.tp_group)  # type: ignore[arg-type]
+
+
+def _parallelize_attention(attn: Attention, mesh: MoEMesh) -> None:
+    tp_mesh = mesh.tp_mesh
+    attn.q_proj = ColumnParallelLinear(attn.q_proj, tp_mesh)  # type: ignore[assignment,arg-type]
+    attn.k_proj = ColumnParallelLinear(attn.k_proj, tp_mesh)  # type: ignore[assignment,arg-type]
+    attn.v_proj = ColumnParallelLinear(attn.v_proj, tp_mesh)  # type: ignore[assignment,arg-type]
+    attn.o_proj = RowParallelLinear(attn.o_proj, tp_mesh)  # type: ignore[assignment,arg-type]
+    attn.n_heads //= mesh.tp
+    attn.n_kv //= mesh.tp
+    if attn.qk_norm == "full":
+        attn.q_norm = ShardedRMSNorm(attn.q_norm, tp_mesh)  # type: ignore[arg-type]
+        attn.k_norm = ShardedRMSNorm(attn.k_norm, tp_mesh)  # type: ignore[arg-type]
+    _region(attn, 1, mesh.tp_group)  # type: ignore[arg-type]
+
+
+def check_tensor_parallel(model: MoETransformer, tp: int) -> None:
+    """ConfigError unless ``tp`` divides the heads, the kv heads and the vocabulary."""
+    cfg = model.cfg
+    for what, n in (
+        ("model.n_heads", cfg.n_heads),
+        ("the kv heads", cfg.kv_heads),
+        ("model.vocab_size", cfg.vocab_size),
+    ):
+        if n % tp:
+            raise ConfigError(f"parallel.tp: must divide {what} ({n}), got {tp}")
+
+
+def parallelize_tensor(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
+    """Apply tensor and sequence parallelism over ``mesh.tp_group`` (see the module docstring); returns ``model``.
+
+    A no-op when ``mesh.tp == 1``. The forward then needs a sequence length divisible by tp.
+    """
+    if mesh.tp == 1:
+        return model
+    if mesh.tp_mesh is None or mesh.tp_group is None:
+        raise ValueError(f"parallel.tp = {mesh.tp} needs an initialised mesh (build_mesh after init_process_group)")
+    if model.embed_tokens is None or model.lm_head is None or model.norm is None:
+        raise ConfigError("parallel.tp: tensor parallelism of a pipeline stage is not supported; set parallel.pp=1")
+    check_tensor_parallel(model, mesh.tp)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, mesh.tp_mesh)
+    shared = model.embed_tokens.weight if tied else None
+    model.lm_head = VocabParallelHead(model.lm_head, mesh.tp_mesh, weight=shared)  # type: ignore[assignment]
+    for block in model.blocks():
+        _parallelize_attention(block.self_attn, mesh)
+        if isinstance(block.mlp, MoELayer):
+            block.mlp.router.token_stats_reduce = functools.partial(sum_forward_only, group=mesh.tp_group)
+            if block.mlp.shared_expert is not None:
+                _parallelize_swiglu(block.mlp.shared_expert, mesh, dim=0)  # flat tokens
+        elif isinstance(block.mlp, SwiGLU):
+            _parallelize_swiglu(block.mlp, mesh, dim=1)
+    logger.info(
+        "tensor parallelism: tp=%d, %d query / %d kv heads per rank, sequence-parallel norms and MoE",
+        mesh.tp,
+        model.cfg.n_heads // mesh.tp,
+        model.cfg.kv_heads // mesh.tp,
+    )
+    return model
+
+
+def tensor_parallel_numel(cfg: ModelConfig) -> int:
+    """Parameters :func:`parallelize_tensor` splits over tp (the rest is replicated), from a meta-device build.
+
+    Attention projections (and the 'full' QK-norm), dense MLPs, shared experts, the embedding and an
+    untied LM head; norms, routers, shared-expert gates and routed experts stay whole on every tp rank.
+    """
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    seen: set[int] = set()
+    total = 0
+
+    def add(*modules: nn.Module | None) -> None:
+        nonlocal total
+        for m in modules:
+            for p in m.parameters() if m is not None else ():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+
+    add(model.embed_tokens, model.lm_head)
+    for block in model.blocks():
+        attn = block.self_attn
+        add(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        if attn.qk_norm == "full":
+            add(attn.q_norm, attn.k_norm)
+        if isinstance(block.mlp, MoELayer):
+            add(block.mlp.shared_expert)
+        else:
+            add(block.mlp)
+    return total

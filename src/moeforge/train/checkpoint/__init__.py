@@ -1,0 +1,1 @@
+"""Distributed checkpoints: state, on-disk protocol, save and resume policy, loading."""
