@@ -8,7 +8,7 @@ import torch
 from moeforge.config import ModelConfig, MoEConfig
 from moeforge.model.params import named_parameter_roles
 from moeforge.model.transformer import MoETransformer
-from moeforge.parallel.data_parallel.buckets import HEAD_SEGMENT, bucket_group_kind, param_segment, bucket_layout
+from moeforge.parallel.data_parallel.buckets import HEAD_SEGMENT, bucket_group_kind, bucket_layout, param_segment
 
 
 def _entries(n_layers: int, ep: int) -> tuple[list[str], list[tuple[int, int, torch.dtype, str | None]]]:

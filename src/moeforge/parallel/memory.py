@@ -31,7 +31,7 @@ from moeforge.config import Config
 from moeforge.model.moe.experts import local_tensor
 from moeforge.model.params import EXPERT, named_parameter_roles
 from moeforge.model.transformer import MoETransformer
-from moeforge.parallel.data_parallel.buckets import bucket_group_kind, padded_numel, param_segment, bucket_layout
+from moeforge.parallel.data_parallel.buckets import bucket_group_kind, bucket_layout, padded_numel, param_segment
 from moeforge.parallel.data_parallel.ddp import DDPStack
 from moeforge.parallel.stack import DTYPES, TrainingStack
 
