@@ -15,7 +15,7 @@ from moeforge.config import ConfigError, validate_config
 from moeforge.model import build_model
 from moeforge.ops import cross_entropy
 from moeforge.ops.cross_entropy import linear_cross_entropy
-from moeforge.train.losses import fused_loss_enabled, lm_loss_fn
+from moeforge.train.losses import lm_loss_fn
 from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer
 from tests.helpers import tiny_config
@@ -162,22 +162,13 @@ def test_fused_linear_is_refused_where_the_head_is_not_plain(overrides: dict, fi
     validate_config(cfg)
 
 
-def test_auto_fuses_on_the_cpu_only_where_nothing_blocks() -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert fused_loss_enabled("auto", cpu, None)
-    assert not fused_loss_enabled("auto", cpu, "parallel.tp: ...")
-    assert not fused_loss_enabled("auto", cuda, None)
-    assert fused_loss_enabled("fused_linear", cuda, None)
-    assert not fused_loss_enabled("default", cpu, None)
-
-
 def test_trainer_losses_equal_with_and_without_the_fused_head(tmp_path: Path) -> None:
     """The same short run, fused (auto on the CPU) and not: the same losses at every step and in evaluation."""
     results = {}
     for impl in ("auto", "default"):
         cfg = tiny_config(tmp_path / impl, f"--model.loss_implementation={impl}", "--train.max_steps=3")
         trainer = Trainer(cfg)
-        assert trainer.fused_loss == (impl == "auto")
+        assert trainer.kernels.fused_loss == (impl == "auto")
         last = trainer.fit()
         results[impl] = [r["lm_loss"] for r in read_metrics(cfg.train.run_dir)] + [last["val_loss"]]
     assert len(results["auto"]) == 4

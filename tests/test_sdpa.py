@@ -1,21 +1,25 @@
 """Attention in fp32 for bf16 inputs (``model.attention_precision``), eager attention
-(``model.attention_implementation``) and the timing that chooses between them."""
+(``model.attention_implementation``) and ``moeforge tune``, the opt-in timing that writes a choice into a config."""
 
 from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from moeforge.bench.tune import (
+    MIN_TUNED_S,
+    SWITCH_MARGIN,
+    attention_candidates,
+    pick_attention,
+    time_sdpa,
+    tune_attention,
+)
 from moeforge.model import build_model
 from moeforge.model.attention import Attention
 from moeforge.ops.eager_attention import EAGER_MAX_SEQ
-from moeforge.ops.sdpa import MIN_TUNED_S, SWITCH_MARGIN, pick_attention, sdpa, time_sdpa
-from moeforge.testing import run_distributed_test
-from moeforge.train.attention_tuning import attention_candidates, tune_attention
+from moeforge.ops.sdpa import sdpa
 from tests.test_model import tiny_cfg
 
 
@@ -65,13 +69,24 @@ def test_pick_attention_switches_only_when_timed_long_enough_and_clearly_faster(
     assert pick_attention({"input": slow, "eager": 0.95 * slow}) == "input"
 
 
+def _cfg(*overrides: str):
+    from moeforge.config import load_config
+
+    return load_config(None, list(overrides))
+
+
 def test_attention_candidates_follow_the_config() -> None:
-    assert attention_candidates("auto", "auto", 256) == ("input", "fp32", "eager")
-    assert attention_candidates("auto", "sdpa", 256) == ("input", "fp32")
-    assert attention_candidates("input", "auto", 256) == ("input", "eager")
-    assert attention_candidates("auto", "auto", EAGER_MAX_SEQ + 1) == ("input", "fp32")  # P grows as seq^2
-    assert attention_candidates("fp32", "auto", 256) == ("input",)  # eager is not fp32 attention
-    assert attention_candidates("input", "eager", 256) == ("input",)  # explicit: nothing to time
+    bf16 = ("--train.precision=bf16", "--data.seq_len=256")
+    assert attention_candidates(_cfg(*bf16)) == ("input", "fp32", "eager")
+    assert attention_candidates(_cfg(*bf16, "--model.attention_implementation=sdpa")) == ("input", "fp32")
+    assert attention_candidates(_cfg(*bf16, "--model.attention_precision=input")) == ("input", "eager")
+    long = _cfg(
+        "--train.precision=bf16", f"--data.seq_len={EAGER_MAX_SEQ + 1}", f"--model.max_seq_len={2 * EAGER_MAX_SEQ}"
+    )
+    assert attention_candidates(long) == ("input", "fp32")  # P grows as seq^2
+    explicit = ("--model.attention_precision=input", "--model.attention_implementation=eager")
+    assert attention_candidates(_cfg(*bf16, *explicit)) == ("input",)  # explicit: nothing to time
+    assert attention_candidates(_cfg("--train.precision=fp32")) == ("input",)  # fp32: nothing to choose
 
 
 def test_time_sdpa_does_not_time_the_others_for_a_short_call() -> None:
@@ -80,7 +95,7 @@ def test_time_sdpa_does_not_time_the_others_for_a_short_call() -> None:
 
 
 def test_time_sdpa_times_every_candidate_of_a_long_call(monkeypatch) -> None:
-    monkeypatch.setattr("moeforge.ops.sdpa.MIN_TUNED_S", 0.0)
+    monkeypatch.setattr("moeforge.bench.tune.MIN_TUNED_S", 0.0)
     t = time_sdpa(1, 2, 1, 16, 8, torch.bfloat16, torch.device("cpu"), rounds=2, candidates=("eager", "input"))
     assert set(t) == {"input", "eager"} and all(v > 0 for v in t.values())
 
@@ -94,88 +109,49 @@ def _fake_timer(input_s: float, fp32_s: float, calls: list | None = None, eager_
     return timer
 
 
-def _never(*args):
-    raise AssertionError("timed where nothing should be")
-
-
 def _upcasts(model: torch.nn.Module) -> list[bool]:
     return [m.upcast for m in model.modules() if isinstance(m, Attention)]
 
 
-def _eagers(model: torch.nn.Module) -> list[bool]:
-    return [m.eager for m in model.modules() if isinstance(m, Attention)]
-
-
-@pytest.mark.parametrize("precision", ["input", "fp32"])
-def test_explicit_precision_is_applied_untimed(precision: str) -> None:
-    model = build_model(tiny_cfg(attention_precision=precision).model, seed=0)
-    assert _upcasts(model) == [precision == "fp32"] * 3  # the config alone sets it at build
-    rec = tune_attention(model, precision, "sdpa", 2, 16, torch.bfloat16, torch.device("cpu"), timer=_never)
-    want = {"precision": precision, "implementation": "sdpa", "upcast": precision == "fp32", "eager": False}
-    assert rec == {**want, "times_s": None}
-    assert _upcasts(model) == [precision == "fp32"] * 3 and _eagers(model) == [False] * 3
-
-
-def test_explicit_eager_is_applied_untimed() -> None:
-    model = build_model(tiny_cfg(attention_implementation="eager").model, seed=0)
-    assert _eagers(model) == [True] * 3  # the config alone sets it at build
-    for precision in ("input", "fp32"):
-        rec = tune_attention(model, precision, "eager", 2, 16, torch.bfloat16, torch.device("cpu"), timer=_never)
-        assert rec["eager"] and rec["upcast"] == (precision == "fp32") and rec["times_s"] is None
-        assert _eagers(model) == [True] * 3
-
-
-def test_auto_times_the_training_shape_and_keeps_the_faster() -> None:
-    cfg = tiny_cfg(n_kv_heads=2)
-    model = build_model(cfg.model, seed=0)
-    assert _upcasts(model) == [False] * 3 and _eagers(model) == [False] * 3
+def test_tune_writes_the_measured_choice_and_keeps_explicit_settings() -> None:
     calls: list = []
     slow = 4 * MIN_TUNED_S
     cpu = torch.device("cpu")
-    rec = tune_attention(model, "auto", "sdpa", 3, 20, torch.bfloat16, cpu, timer=_fake_timer(slow, 0.7 * slow, calls))
-    # one timing, at (batch, heads, kv heads, seq, head dim), of the candidates the config leaves open
-    assert calls == [(3, 4, 2, 20, 8, torch.bfloat16, ("input", "fp32"))]
-    assert rec["upcast"] and not rec["eager"] and rec["times_s"] == {"input": slow, "fp32": 0.7 * slow}
-    assert _upcasts(model) == [True] * 3
-    rec = tune_attention(model, "auto", "sdpa", 3, 20, torch.bfloat16, cpu, timer=_fake_timer(slow, 0.99 * slow))
-    assert not rec["upcast"] and _upcasts(model) == [False] * 3
-    # eager, when faster than both, replaces SDPA in the inputs' precision
-    timer = _fake_timer(slow, 0.8 * slow, calls, eager_s=0.5 * slow)
-    rec = tune_attention(model, "auto", "auto", 3, 20, torch.bfloat16, cpu, timer=timer)
-    assert calls[-1][-1] == ("input", "fp32", "eager")
-    assert rec["eager"] and not rec["upcast"] and rec["times_s"]["eager"] == 0.5 * slow
-    assert _eagers(model) == [True] * 3 and _upcasts(model) == [False] * 3
-    rec = tune_attention(model, "auto", "auto", 3, 20, torch.bfloat16, cpu, timer=_fake_timer(slow, slow, None, slow))
-    assert not rec["eager"] and _eagers(model) == [False] * 3
-    # fp32 training has nothing to choose
-    rec = tune_attention(model, "auto", "auto", 3, 20, torch.float32, cpu, timer=_never)
-    assert not rec["upcast"] and not rec["eager"] and rec["times_s"] is None
-    # a core replaced by parallel code (context parallelism) is not timed and not reported as upcast
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.attention_fn = lambda q, k, v, gqa: q
-    rec = tune_attention(model, "auto", "auto", 3, 20, torch.bfloat16, cpu, timer=_never)
-    assert not rec["upcast"] and not rec["eager"] and rec["times_s"] is None
+    base = ("--train.precision=bf16", "--data.seq_len=20", "--train.micro_batch_size=3")
+    base += ("--model.d_model=32", "--model.n_heads=4", "--model.n_kv_heads=2")
+    cfg, times = tune_attention(_cfg(*base), cpu, timer=_fake_timer(slow, 0.7 * slow, calls))
+    # one timing, at one rank's (batch, heads, kv heads, seq, head dim), of the candidates the config leaves open
+    assert calls == [(3, 4, 2, 20, 8, torch.bfloat16, ("input", "fp32", "eager"))]
+    assert (cfg.model.attention_implementation, cfg.model.attention_precision) == ("sdpa", "fp32")
+    assert times == {"input": slow, "fp32": 0.7 * slow, "eager": None}
+    cfg, _ = tune_attention(_cfg(*base), cpu, timer=_fake_timer(slow, 0.8 * slow, eager_s=0.5 * slow))
+    assert (cfg.model.attention_implementation, cfg.model.attention_precision) == ("eager", "input")
+    cfg, _ = tune_attention(_cfg(*base), cpu, timer=_fake_timer(slow, 0.99 * slow))
+    assert (cfg.model.attention_implementation, cfg.model.attention_precision) == ("sdpa", "input")
+    # an explicit setting stays whatever the timing says
+    pinned = _cfg(*base, "--model.attention_implementation=sdpa")
+    cfg, _ = tune_attention(pinned, cpu, timer=_fake_timer(slow, slow, eager_s=0.1 * slow))
+    assert (cfg.model.attention_implementation, cfg.model.attention_precision) == ("sdpa", "input")
+    # fp32 training has nothing to time
+    cfg, times = tune_attention(_cfg("--train.precision=fp32"), cpu, timer=_never)
+    assert (cfg.model.attention_implementation, cfg.model.attention_precision) == ("sdpa", "input")
 
 
-def _ranks_agree() -> None:
-    rank = dist.get_rank()
-    slow = 4 * MIN_TUNED_S
-    model = build_model(tiny_cfg().model, seed=0)
-    cpu = torch.device("cpu")
-    # alone, rank 0 would upcast and rank 1 would not; on the summed times both upcast (mean fp32 0.8x)
-    timer = _fake_timer(slow, (0.6 if rank == 0 else 1.0) * slow)
-    rec = tune_attention(model, "auto", "sdpa", 2, 16, torch.bfloat16, cpu, timer=timer)
-    assert rec["upcast"] and rec["times_s"]["fp32"] == pytest.approx(0.8 * slow)
-    assert _upcasts(model) == [True] * 3
-    # a rank without attention layers (a pipeline stage) takes part and follows the others
-    empty = torch.nn.Linear(2, 2) if rank == 1 else model
-    rec = tune_attention(empty, "auto", "sdpa", 2, 16, torch.bfloat16, cpu, timer=_fake_timer(slow, 0.95 * slow))
-    assert not rec["upcast"] and rec["times_s"]["fp32"] == pytest.approx(0.95 * slow)
+def test_tune_command_writes_a_config_that_trains_with_its_choice(tmp_path, capsys) -> None:
+    from moeforge.cli import main
+    from moeforge.config import load_config
+
+    out = tmp_path / "tuned.yaml"
+    args = ["tune", "configs/shakespeare.yaml", "--out", str(out), "--train.micro_batch_size=1", "--data.seq_len=64"]
+    assert main(args) == 0
+    tuned = load_config(out)
+    assert tuned.model.attention_implementation in ("sdpa", "eager")
+    assert tuned.model.attention_precision in ("input", "fp32")
+    assert f"wrote {out}" in capsys.readouterr().out
 
 
-def test_ranks_take_one_decision_from_their_summed_times() -> None:
-    run_distributed_test(_ranks_agree, 2)
+def _never(*args, **kwargs):
+    raise AssertionError("timed where nothing should be")
 
 
 def test_the_model_computes_attention_in_fp32_when_told() -> None:
@@ -200,41 +176,3 @@ def test_the_model_computes_attention_in_fp32_when_told() -> None:
             m.upcast, m.attention_fn = False, fp32_core
         want = model(ids)
     assert torch.equal(outs[True], want) and not torch.equal(outs[False], want)
-
-
-def test_a_resumed_auto_run_keeps_its_first_choice(tmp_path) -> None:
-    """The decisions are checkpointed (``attention_upcast``, ``attention_eager``): a resumed ``auto`` run applies the
-    checkpoint's, not a new timing's; an explicit ``model.attention_precision`` or ``attention_implementation`` on
-    resume wins over the checkpoint."""
-    import json
-
-    from moeforge.train.trainer import Trainer
-    from tests.helpers import tiny_config
-
-    args = ("--train.max_steps=2", "--train.save_every=2", "--train.precision=bf16")
-    t = Trainer(tiny_config(tmp_path, *args))
-    t.fit()
-    # the tiny model's calls are usually under MIN_TUNED_S (bf16 SDPA stays), but on a loaded machine another may be
-    # timed and win: whichever was chosen, the resumed run must keep it
-    first = (bool(t.attention["upcast"]), bool(t.attention["eager"]))
-    assert t.attention["times_s"]["input"] > 0
-    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "manifest.json").read_text())
-    state = manifest["trainer_state"]
-    assert (state["attention_upcast"], state["attention_eager"]) == tuple(int(x) for x in first)
-
-    again = Trainer(tiny_config(tmp_path, *args))
-    layers = [m for m in again.model.modules() if isinstance(m, Attention)]
-    for m in layers:  # as if the new timing had chosen the other ones
-        m.upcast, m.eager = not first[0], not first[1]
-    again.attention.update(upcast=not first[0], eager=not first[1])
-    assert again.maybe_resume()
-    assert _upcasts(again.model) == [first[0]] * len(layers) and _eagers(again.model) == [first[1]] * len(layers)
-    assert again.attention["from_checkpoint"] and (again.attention["upcast"], again.attention["eager"]) == first
-    again.close()
-
-    explicit = Trainer(tiny_config(tmp_path, *args, "--model.attention_precision=fp32"))
-    assert explicit.maybe_resume() and all(_upcasts(explicit.model))
-    explicit.close()
-    explicit = Trainer(tiny_config(tmp_path, *args, "--model.attention_implementation=eager"))
-    assert explicit.maybe_resume() and all(_eagers(explicit.model))
-    explicit.close()

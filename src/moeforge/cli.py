@@ -1,4 +1,4 @@
-"""``moeforge <command>``: train, prepare, generate, convert, report, plan, bench, experiment."""
+"""``moeforge <command>``: train, prepare, generate, convert, report, plan, bench, tune, experiment."""
 
 from __future__ import annotations
 
@@ -233,6 +233,7 @@ def _add_experiment_command(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
     from moeforge.bench.harness import add_bench_arguments, run_bench
+    from moeforge.bench.tune import add_tune_arguments, run_tune
     from moeforge.plan.planner import add_plan_arguments, run_plan
 
     p = sub.add_parser("plan", help="parameters, FLOPs, memory and communication per layout")
@@ -241,6 +242,15 @@ def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark stacks, dispatchers and expert counts side by side")
     add_bench_arguments(p)
     p.set_defaults(func=run_bench)
+    p = sub.add_parser(
+        "tune",
+        help="time the attention kernels on this machine; write a config with the explicit choice",
+        description="Time the attention cores a config leaves open (auto) at its training shape on this machine "
+        "and write the config with model.attention_implementation and model.attention_precision explicit. "
+        "Defaults never depend on timing; this is the opt-in.",
+    )
+    add_tune_arguments(p)
+    p.set_defaults(func=run_tune)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

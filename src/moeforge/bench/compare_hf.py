@@ -32,12 +32,11 @@ from torch import Tensor, nn
 from moeforge.bench.alternate import alternate_timed, summarize
 from moeforge.bench.energy import EnergyMeter, energy_record
 from moeforge.bench.peers import hf_causal_lm, transformers_version
-from moeforge.config import ModelConfig
-from moeforge.config.validation import fused_loss_blocker
+from moeforge.config import Config, ModelConfig
 from moeforge.model import build_model
+from moeforge.model.kernels import KernelChoice, apply_kernels, select_kernels
 from moeforge.plan.flops import flops_per_token
-from moeforge.train.attention_tuning import tune_attention
-from moeforge.train.losses import fused_loss_enabled, lm_loss_fn, moe_aux_terms
+from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +67,7 @@ class _Contender:
         # and moeforge's (``optim.implementation=auto``)
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         self.seen: list[Tensor] = []
-        self.attention: dict[str, Any] | None = None  # moeforge: how its attention precision was chosen
-        self.fused_loss = False  # moeforge: the head fused into its loss (model.loss_implementation), as in training
+        self.kernels: KernelChoice | None = None  # moeforge: its kernels, chosen as its trainer chooses them
         self.losses: list[float] = []
         self.lm_losses: list[float] = []
 
@@ -80,7 +78,7 @@ class _Contender:
             vocab = self.model.config.vocab_size
             lm = self.model.loss_function(out.logits, None, vocab, shift_labels=targets.contiguous())
             return lm + self.aux_coef * out.aux_loss.float(), lm
-        if self.fused_loss:
+        if self.kernels is not None and self.kernels.fused_loss:
             lm = self.model(inputs, labels=targets)
         else:
             lm = lm_loss_fn(self.model(inputs), targets, upcast=self.mode != "bf16_autocast")
@@ -102,21 +100,22 @@ class _Contender:
 def _contenders(
     cfg: ModelConfig, mode: str, seed: int, device: torch.device, lr: float, batch: int, seq: int
 ) -> dict[str, _Contender]:
-    """Both models of ``mode`` from the same weights; moeforge's attention core set as its trainer sets it
-    (``model.attention_precision`` and ``attention_implementation``, timed at ``(batch, seq)``), recorded in its
-    contender's ``attention``, and its loss computed as its trainer computes it (``model.loss_implementation``)."""
+    """Both models of ``mode`` from the same weights; moeforge's kernels chosen as its trainer chooses them
+    (:func:`~moeforge.model.kernels.select_kernels` for ``mode``'s precision at sequence ``seq``), recorded in its
+    contender's ``kernels``."""
     ours = build_model(cfg, seed=seed, device=device).train()
     hf = hf_causal_lm(copy.deepcopy(ours).cpu(), device)
     if mode == "bf16_params":
         ours, hf = ours.to(torch.bfloat16), hf.to(torch.bfloat16)
-    dtype = torch.float32 if mode == "fp32" else torch.bfloat16
     contenders = {
         "moeforge": _Contender(ours, False, mode, cfg.moe.aux_loss_coef, lr),
         "hf": _Contender(hf, True, mode, cfg.moe.aux_loss_coef, lr),
     }
-    contenders["moeforge"].fused_loss = fused_loss_enabled(cfg.loss_implementation, device, fused_loss_blocker(cfg))
-    precision, implementation = cfg.attention_precision, cfg.attention_implementation
-    contenders["moeforge"].attention = tune_attention(ours, precision, implementation, batch, seq, dtype, device)
+    run = Config(model=cfg)
+    run.train.precision = "fp32" if mode == "fp32" else "bf16"
+    run.train.param_dtype = "bf16" if mode == "bf16_params" else "fp32"
+    run.data.seq_len = seq
+    contenders["moeforge"].kernels = apply_kernels(ours, select_kernels(run, device))
     return contenders
 
 
@@ -155,8 +154,7 @@ def _mode_row(
             "mfu": None if not peak_tflops else s["per_s"] * fpt / 1e12 / peak_tflops,
             "energy": energy_record(joules[name], sum(times[name]), tokens * steps, meter),
         }
-    row["moeforge"]["attention"] = contenders["moeforge"].attention
-    row["moeforge"]["loss_implementation"] = "fused_linear" if contenders["moeforge"].fused_loss else "default"
+    row["moeforge"]["kernels"] = contenders["moeforge"].kernels.to_dict()  # type: ignore[union-attr]
     row["ratio"] = row["moeforge"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
     row["same_inputs"] = row["moeforge"]["input_hash"] == row["hf"]["input_hash"]
     log.info("compare hf: %s: moeforge / hf = %.3fx", mode, row["ratio"])

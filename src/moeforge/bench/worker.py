@@ -277,8 +277,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype,
         },
         "precision": cfg.train.precision,
-        "attention": trainer.attention,  # model.attention_precision / attention_implementation and what they decided
-        "loss_implementation": "fused_linear" if trainer.fused_loss else "default",  # model.loss_implementation
+        "kernels": trainer.kernels.to_dict(),  # what the model's kernel settings decided (moeforge.model.kernels)
         "random_routing": cfg.model.moe.random_routing,
         "num_experts": cfg.model.moe.num_experts,
         "top_k": cfg.model.moe.top_k,

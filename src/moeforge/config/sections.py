@@ -54,8 +54,9 @@ class ModelConfig:
     max_seq_len: int = 4096  # longest sequence: data.seq_len must fit, generation stops here
     init_std: float = 0.02  # std of the normal init; output projections get init_std / sqrt(2 * n_layers)
     logit_softcap: float = 0.0  # > 0: logits = c * tanh(logits / c), as in Gemma 2; 0: off
-    attention_precision: Literal["auto", "input", "fp32"] = "auto"  # bf16 attention in bf16, in fp32, or auto: timed
-    attention_implementation: Literal["auto", "sdpa", "eager"] = "auto"  # eager: scores made whole; auto: timed (CPU)
+    # auto: decided at model build by fixed rules (moeforge.model.kernels); `moeforge tune` writes measured values
+    attention_precision: Literal["auto", "input", "fp32"] = "auto"  # bf16 attention in fp32; auto: the inputs'
+    attention_implementation: Literal["auto", "sdpa", "eager"] = "auto"  # eager: scores made whole; auto: CPU bf16
     loss_implementation: Literal["auto", "default", "fused_linear"] = "auto"  # fused_linear: no whole logits; auto: CPU
     moe: MoEConfig = field(default_factory=MoEConfig)  # the MoE feed-forward (section model.moe)
 

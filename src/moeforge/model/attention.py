@@ -64,9 +64,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.norm_eps)
         self.attention_fn: AttentionFn | None = None
-        # bf16/fp16 attention computed in fp32 (moeforge.ops.sdpa); "auto" is decided by the trainer, which times both
-        self.upcast = cfg.attention_precision == "fp32"
-        self.eager = cfg.attention_implementation == "eager"  # "auto" too is decided by the trainer's timing
+        # the attention core (moeforge.ops.sdpa); "auto" is set at model build by moeforge.model.kernels
+        self.upcast = cfg.attention_precision == "fp32"  # bf16/fp16 attention computed in fp32
+        self.eager = cfg.attention_implementation == "eager"
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape

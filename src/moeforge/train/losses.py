@@ -43,12 +43,3 @@ def lm_loss_fn(logits: Tensor, targets: Tensor, upcast: bool = True) -> Tensor:
     if upcast:
         flat = flat.float()
     return F.cross_entropy(flat, flat_targets).float()
-
-
-def fused_loss_enabled(implementation: str, device: torch.device, blocker: str | None) -> bool:
-    """Whether ``model.loss_implementation`` (``implementation``) fuses the head into the loss on ``device``:
-    ``fused_linear`` always (validation has ruled out a ``blocker``), ``auto`` on the CPU where nothing blocks it
-    (measured faster there, docs/benchmarks.md), ``default`` never."""
-    if implementation == "auto":
-        return device.type == "cpu" and blocker is None
-    return implementation == "fused_linear"

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from moeforge.config import Config, ConfigError, save_config
-from moeforge.config.validation import config_fused_loss_blocker
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
 from moeforge.model import MoETransformer, build_model
+from moeforge.model.kernels import KernelChoice, apply_kernels, select_kernels
 from moeforge.optim.schedule import lr_at
 from moeforge.parallel.context.attention import without_context_parallel
 from moeforge.parallel.context.chunks import cp_chunks
@@ -28,13 +28,12 @@ from moeforge.parallel.parallelize import build_stack
 from moeforge.parallel.pipeline.schedule import PipelineRunner
 from moeforge.parallel.pipeline.stages import RankStages, carve_stages, rank_stages
 from moeforge.parallel.stack import TrainingStack
-from moeforge.train.attention_tuning import restore_attention_choice, tune_attention
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
 from moeforge.train.checkpoint.manager import CheckpointManager
 from moeforge.train.checkpoint.store import checkpoints_dir, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
-from moeforge.train.losses import fused_loss_enabled, lm_loss_fn, moe_aux_terms
+from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 from moeforge.train.memory_record import gather_memory, write_memory_json
 from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
 from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
@@ -91,6 +90,8 @@ class Trainer:
             )
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
+        # kernels and numerics by fixed rules from the config and the device kind, never by a timing
+        self.kernels: KernelChoice = apply_kernels(model, select_kernels(cfg, self.device))
         self.stages: RankStages | None = None  # this rank's pipeline stages (parallel.pp > 1)
         if self.mesh.pp > 1:
             self.stages = rank_stages(cfg, self.mesh.pp_rank)
@@ -121,15 +122,6 @@ class Trainer:
         self.activation_bytes = 0  # saved for backward by the first micro-batch (not measured under pp)
         self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
         self.autocast_dtype = None if cfg.train.precision == "fp32" else torch.bfloat16  # lowp: the rest in bf16
-        dtype = torch.bfloat16 if self.autocast_dtype or cfg.train.param_dtype == "bf16" else torch.float32
-        batch, seq = cfg.train.micro_batch_size, cfg.data.seq_len // self.mesh.cp
-        # collective under torch.distributed; the choice is checkpointed (trainer_state) and kept on resume
-        m = cfg.model
-        self.attention = tune_attention(
-            model, m.attention_precision, m.attention_implementation, batch, seq, dtype, self.device
-        )
-        # model.loss_implementation: the head fused into the loss (labels handed to the model) or logits + lm_loss_fn
-        self.fused_loss = fused_loss_enabled(cfg.model.loss_implementation, self.device, config_fused_loss_blocker(cfg))
         # creating the manager is collective (async save makes its own group): every rank, same point
         self.checkpointer = CheckpointManager.from_config(self.run_dir, cfg.train, self.device, self.mesh)
 
@@ -152,7 +144,7 @@ class Trainer:
         """One micro-batch's mean next-token loss (fp32), the forward under autocast: the model's fused head and
         loss, or its logits through :func:`lm_loss_fn` (``upcast``: on an fp32 copy off the CPU)."""
         with self.autocast():
-            if self.fused_loss:
+            if self.kernels.fused_loss:
                 return self.model(inputs, labels=targets)
             logits = self.model(inputs)
         return lm_loss_fn(logits, targets, upcast=upcast)
@@ -262,8 +254,6 @@ class Trainer:
             "consecutive_skips": self.consecutive_skips,
             "skipped_steps": self.skipped_steps,
             "loader": self.loader.state_dict(),
-            "attention_upcast": int(self.attention["upcast"]),  # a resumed "auto" run keeps the choices
-            "attention_eager": int(self.attention["eager"]),
         }
 
     def _debug_kill_if_due(self) -> None:
@@ -295,10 +285,6 @@ class Trainer:
         self.consecutive_skips = int(state["consecutive_skips"])
         self.skipped_steps = int(state["skipped_steps"])
         self.loader.load_state_dict(state["loader"])
-        m = self.cfg.model  # "auto" was timed again at start-up; the run's first choice stays
-        restore_attention_choice(
-            self.model, self.attention, m.attention_precision, m.attention_implementation, state, path.name
-        )
         log.info("resumed from %s (step %d)", path, self.step)
         return True
 
