@@ -164,16 +164,25 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> Non
 
 
 def test_the_launcher_restarts_a_killed_rank_and_resumes_to_the_same_loss(tmp_path: Path) -> None:
-    # The documented command (docs/launch.md) as written: no environment variable to set.
-    cfg = _cfg(tmp_path, "restart", "ddp2", "--train.debug_kill_at_step=3")
+    # The documented command (docs/launch.md), its workers under the test suite's fault injection
+    # (moeforge.testing.faults: `moeforge train` plus a callback that kills the last rank once).
+    cfg = _cfg(tmp_path, "restart", "ddp2")
     ensure_data(cfg)
     save_config(cfg, tmp_path / "restart.yaml")
-    cmd = [sys.executable, "-m", "moeforge", "train", str(tmp_path / "restart.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeforge.testing.faults",
+        "--kill-at-step",
+        "3",
+        "train",
+        str(tmp_path / "restart.yaml"),
+    ]
     cmd += ["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"]
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr.decode()[-4000:]
-    assert (tmp_path / "restart" / ".debug_killed_at_step_3").is_file()  # rank 1 did die once
+    assert (tmp_path / "restart" / ".fault_killed_at_step_3").is_file()  # rank 1 did die once
     # Rank 1 died entering the save of step 4; the restart resumed from step 2 and dropped the
     # records of steps 3-4 that it trained again, so metrics.jsonl holds every step once.
     got = read_metrics(tmp_path / "restart")

@@ -1,5 +1,6 @@
 """Model: shapes, causality, dispatcher vs naive reference, KV cache, parameter counts."""
 
+import pytest
 import torch
 
 from moeforge.config import Config
@@ -103,3 +104,20 @@ def test_logit_softcap_bounds_the_logits_smoothly() -> None:
     assert out.abs().max() < 2.0
     out.sum().backward()  # gradients flow through the cap
     assert capped.lm_head.weight.grad is not None and capped.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_post_batch_moves_each_layers_router_bias_by_its_own_counts() -> None:
+    """The model's end-of-batch hook: layer i's loss-free bias moves by row i of the step's counts, and a wrong
+    number of rows is refused."""
+    cfg = tiny_cfg()
+    cfg.model.moe.bias_update_rate = 0.1
+    model = build_model(cfg.model, seed=0)
+    layers = model.moe_layers()
+    e = cfg.model.moe.num_experts
+    counts = torch.stack([torch.arange(e, dtype=torch.float32) * (i + 1) for i in range(len(layers))])
+    counts[-1] = counts[-1].flip(0)
+    model.post_batch(counts)
+    for layer, row in zip(layers, counts):
+        assert torch.equal(layer.router.expert_bias, 0.1 * torch.sign(row.mean() - row))
+    with pytest.raises(ValueError, match="post_batch"):
+        model.post_batch(counts[:-1])

@@ -103,3 +103,56 @@ def test_generate_from_run(tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointError, match="no loadable checkpoint"):
         generate_from_run(cfg.train.run_dir, "x", 2, 0.8, 20, seed=1)
+
+
+def test_callbacks_see_every_hook_in_order(tmp_path) -> None:
+    """``Trainer(cfg, callbacks=...)``: each hook once per event, in the loop's order, on the trainer's state."""
+    from moeforge.train.callbacks import Callback
+
+    seen: list[tuple[str, int]] = []
+
+    class Recorder(Callback):
+        def pre_train(self, trainer) -> None:
+            seen.append(("pre_train", trainer.step))
+
+        def post_step(self, trainer, record) -> None:
+            assert record["step"] == trainer.step
+            seen.append(("post_step", trainer.step))
+
+        def pre_checkpoint(self, trainer) -> None:
+            seen.append(("pre_checkpoint", trainer.step))
+
+        def post_train(self, trainer) -> None:
+            seen.append(("post_train", trainer.step))
+
+    cfg = tiny_config(tmp_path, "--train.max_steps=3", "--train.save_every=2")
+    Trainer(cfg, callbacks=[Recorder()]).fit()
+    assert seen == [
+        ("pre_train", 0),
+        ("post_step", 1),
+        ("post_step", 2),
+        ("pre_checkpoint", 2),
+        ("post_step", 3),
+        ("pre_checkpoint", 3),
+        ("post_train", 3),
+    ]
+
+
+def test_a_run_dir_config_of_the_earlier_release_still_loads(tmp_path) -> None:
+    """``train.debug_kill_at_step`` left the config (the test suite's fault injection is a callback now): an old
+    RUN/config.yaml holding it at its default loads; any other value is refused, naming the key."""
+    import yaml
+
+    from moeforge.config import ConfigError, load_config, save_config
+
+    cfg = tiny_config(tmp_path)
+    data = cfg.to_dict()
+    data["train"]["debug_kill_at_step"] = 0
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(data))
+    old = load_config(tmp_path / "old.yaml")
+    save_config(old, tmp_path / "new.yaml")
+    assert "debug_kill_at_step" not in (tmp_path / "new.yaml").read_text()
+    data["train"]["debug_kill_at_step"] = 3
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"train\.debug_kill_at_step: unknown key"):
+        load_config(tmp_path / "old.yaml")

@@ -7,9 +7,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from moeforge.config import ConfigError, load_config
 from moeforge.errors import EXIT_CODES_HELP, USAGE, classify
+
+if TYPE_CHECKING:
+    from moeforge.train.callbacks import Callback
 
 log = logging.getLogger("moeforge")
 
@@ -48,10 +52,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc_per_node is not None:
         from moeforge.launch import launch_train
 
-        return launch_train(args, overrides)
+        return launch_train(args, overrides, worker=args.worker)
     cfg = load_config(args.config, overrides)
     _setup_logging(cfg.logging.level)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, callbacks=args.callbacks)
     try:
         last = trainer.fit()
     finally:
@@ -253,14 +257,19 @@ def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_tune)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, callbacks: Sequence[Callback] = (), worker: Sequence[str] = ("-m", "moeforge")
+) -> int:
     """Entry point; returns the process exit code (see ``moeforge --help`` and docs/checkpoints.md).
 
     A known failure is one line on stderr; under a launcher, a failure every rank
     sees alike is written by rank 0 only. Unknown errors (bugs) keep their traceback.
+    ``callbacks`` join the trainer's of ``train``; ``worker`` is the module argv the launcher's workers run
+    (``moeforge.testing.faults`` passes its own).
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.callbacks, args.worker = tuple(callbacks), tuple(worker)
     try:
         return int(args.func(args, extra) or 0)
     except (KeyboardInterrupt, SystemExit):

@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from moeforge.config import ConfigError, load_config, validate_layout
@@ -50,7 +51,7 @@ def _world_size(nnodes: str, nproc: int) -> int | None:
         raise ConfigError(f"--nnodes: expected N or MIN:MAX, got {nnodes!r}") from None
 
 
-def _torchrun_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+def _torchrun_argv(args: argparse.Namespace, overrides: list[str], worker: Sequence[str]) -> list[str]:
     single = ":" not in args.nnodes and int(args.nnodes) == 1
     endpoint = args.rdzv_endpoint or ("localhost:0" if single else "")
     if not endpoint:
@@ -63,16 +64,16 @@ def _torchrun_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         f"--rdzv-id={args.rdzv_id or uuid.uuid4().hex}",
         f"--max-restarts={args.max_restarts}",
         f"--monitor-interval={args.monitor_interval}",
-        "-m",
-        "moeforge",
+        *worker,
         "train",
         str(args.config),
         *overrides,
     ]
 
 
-def launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Validate the config once, start the workers, wait for them; returns the job's exit code."""
+def launch_train(args: argparse.Namespace, overrides: list[str], worker: Sequence[str] = ("-m", "moeforge")) -> int:
+    """Validate the config once, start the workers (``python WORKER train CONFIG OVERRIDES``), wait for them;
+    returns the job's exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
@@ -90,7 +91,7 @@ def launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
     check_run_dir_free(Path(cfg.train.run_dir))
     if args.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch's own default, without its warning banner
-    config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(_torchrun_argv(args, overrides)))
+    config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(_torchrun_argv(args, overrides, worker)))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # a fresh store per attempt (see above)
     try:
         elastic_launch(config, cmd)(*cmd_args)

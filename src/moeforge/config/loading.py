@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import typing
 from pathlib import Path
@@ -17,6 +18,8 @@ import yaml
 
 from moeforge.config.sections import Config
 from moeforge.config.validation import ConfigError, validate_config
+
+log = logging.getLogger(__name__)
 
 
 def _coerce(value: Any, tp: Any, name: str) -> Any:
@@ -80,14 +83,23 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+#: fields an earlier release wrote into RUN/config.yaml that no longer exist; a file holding one at its
+#: default still loads (with a warning), so old run directories stay readable. Any other value is refused.
+RETIRED = {"train.debug_kill_at_step": 0}
+
+
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys."""
+    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys (:data:`RETIRED` ones at their default
+    are dropped)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        if f"{prefix}{key}" in RETIRED and value == RETIRED[f"{prefix}{key}"]:
+            log.warning("config: %s%s is no longer a field; ignored", prefix, key)
+            continue
         if key not in names:
             raise ConfigError(f"{prefix}{key}: unknown key; known keys here are {sorted(names)}")
         tp = hints[key]

@@ -128,7 +128,6 @@ class TrainConfig:
     async_save: bool = False  # snapshot to CPU, write the checkpoint in a background thread
     async_save_overlap: bool = False  # async_save: copy during the next forward/backward (waits before its update)
     async_save_reuse_buffers: bool = True  # async_save: keep the CPU snapshot between saves (no allocation after one)
-    debug_kill_at_step: int = 0  # TEST ONLY: SIGKILL the last rank at its first save at/after this step, once
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8  # validation batches of micro_batch_size sequences per evaluation
     log_every: int = 10  # console summary every N steps when the progress bar is off (0: never)

@@ -205,7 +205,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _check(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
     _check(bool(t.run_dir), "train.run_dir", "must not be empty")
-    for name in ("save_every", "eval_every", "eval_batches", "log_every", "sample_tokens", "debug_kill_at_step"):
+    for name in ("save_every", "eval_every", "eval_batches", "log_every", "sample_tokens"):
         _check(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")
     _check(t.keep_last >= 1, "train.keep_last", "must be >= 1")
     _check(

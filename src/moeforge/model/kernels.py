@@ -15,8 +15,8 @@ The rules follow what the kernels are built for:
   the inputs' precision.
 - loss: the LM head fused into the cross-entropy (no whole logits) on the CPU where nothing blocks it; on a
   GPU the head's GEMM and a separate loss kernel.
-- grouped experts: groups padded to :data:`~moeforge.ops.grouped_gemm.CPU_GROUP_ALIGN` rows on the CPU in
-  bf16/fp16, so the CPU's batched GEMM sees few distinct row counts; none elsewhere.
+- grouped experts: groups padded to ``model.moe.cpu_group_align`` rows on the CPU in bf16/fp16, so the CPU's
+  batched GEMM sees few distinct row counts and reuses its kernels; none elsewhere.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from moeforge.config.validation import config_fused_loss_blocker
 from moeforge.model.attention import Attention
 from moeforge.model.moe.experts import GroupedExperts
 from moeforge.ops.eager_attention import EAGER_MAX_SEQ
-from moeforge.ops.grouped_gemm import CPU_GROUP_ALIGN
 from moeforge.ops.sdpa import LOW_PRECISION
 
 
@@ -76,7 +75,7 @@ def select_kernels(cfg: Config, device: torch.device | str) -> KernelChoice:
         attention="eager" if eager else "sdpa",
         attention_upcast=m.attention_precision == "fp32",
         fused_loss=fused,
-        expert_row_align=CPU_GROUP_ALIGN if cpu and low else 1,
+        expert_row_align=m.moe.cpu_group_align if cpu and low else 1,
     )
 
 

@@ -107,6 +107,17 @@ class MoETransformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoELayer)]
 
     @torch.no_grad()
+    def post_batch(self, expert_counts: Tensor) -> None:
+        """End-of-batch bookkeeping of every MoE layer this module holds (OLMo-core's ``post_batch``), after an
+        optimizer step that was taken: ``expert_counts`` is ``(moe layers here, E)``, each layer's routes per
+        expert over the whole step."""
+        layers = self.moe_layers()
+        if len(layers) != len(expert_counts):
+            raise ValueError(f"post_batch: {len(expert_counts)} rows of counts for {len(layers)} MoE layers")
+        for layer, counts in zip(layers, expert_counts):
+            layer.post_batch(counts)
+
+    @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Normal(0, init_std); output projections scaled by 1/sqrt(2 * n_layers); norms to 1; biases to 0."""
         std = self.cfg.init_std

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,13 +29,14 @@ from moeforge.parallel.pipeline.schedule import PipelineRunner
 from moeforge.parallel.pipeline.stages import RankStages, carve_stages, rank_stages
 from moeforge.parallel.stack import TrainingStack
 from moeforge.train.balance import LoadAccumulator, per_layer_metrics
+from moeforge.train.callbacks import Callback, ProgressCallback
 from moeforge.train.checkpoint.manager import CheckpointManager
 from moeforge.train.checkpoint.store import checkpoints_dir, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
 from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 from moeforge.train.memory_record import gather_memory, write_memory_json
-from moeforge.train.metrics import MetricsWriter, read_metrics, step_summary
+from moeforge.train.metrics import MetricsWriter, read_metrics
 from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
 from moeforge.train.run_lock import RunLock, acquire_run_lock
 from moeforge.train.step_guard import TrainingError, guarded_step, streak_message
@@ -61,8 +62,9 @@ class StepResult:
 class Trainer:
     """Builds everything from a config and runs ``fit()``. Every rank runs the same code."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, callbacks: Sequence[Callback] = ()) -> None:
         self.cfg = cfg
+        self.callbacks: list[Callback] = [ProgressCallback(), *callbacks]
         self.device = pick_device()
         self.mesh: MoEMesh = init_distributed(cfg, self.device)
         self.rank = self.mesh.rank
@@ -193,12 +195,9 @@ class Trainer:
                 write_memory_json(self.run_dir, self.memory)
         stack.zero_grad()
         num_experts = cfg.model.moe.num_experts
-        if finite:
-            own = model.moe_layers()
-            rows = self.stages.moe_rows if self.stages is not None else list(range(len(own)))
-            counts = loads[rows, :num_experts].to(self.device)
-            for layer, c in zip(own, counts):
-                layer.router.update_bias(c)
+        if finite:  # the model's end-of-batch bookkeeping (router biases), from its own layers' rows
+            rows = self.stages.moe_rows if self.stages is not None else list(range(len(model.moe_layers())))
+            model.post_batch(loads[rows, :num_experts].to(self.device))
         n_sources = n_micro * mesh.dp_cp * mesh.tp  # forwards of each layer: micro-batches x dp x cp x tp slices
         balance = per_layer_metrics(loads, num_experts, mesh.ep, n_sources) if len(loads) else {}
         return StepResult(loss, lm, aux, z, float(grad_norm), not finite, loads, n_sources, balance)
@@ -256,18 +255,10 @@ class Trainer:
             "loader": self.loader.state_dict(),
         }
 
-    def _debug_kill_if_due(self) -> None:
-        """Test only (``train.debug_kill_at_step``): the last rank dies once, as a crashed rank would."""
-        k = self.cfg.train.debug_kill_at_step
-        if k and self.step >= k and self.rank == self.mesh.world_size - 1:
-            marker = self.run_dir / f".debug_killed_at_step_{k}"
-            if not marker.exists():  # docs/checkpoints.md
-                marker.write_text(f"rank {self.rank} killed itself at step {self.step}\n")
-                os.kill(os.getpid(), signal.SIGKILL)
-
     def save(self) -> Path:
         """Checkpoint the current step (all ranks); the final step's save is waited for even when async."""
-        self._debug_kill_if_due()
+        for cb in self.callbacks:
+            cb.pre_checkpoint(self)
         self.save_deferred = False
         self.checkpointer.save(self.step, self.model, self.stack, self.trainer_state())
         if self.step >= self.cfg.train.max_steps:
@@ -314,11 +305,8 @@ class Trainer:
             self.metrics.truncate_after(self.step)  # steps past the checkpoint are trained again
         barrier(self.mesh)
         tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-        bar = None
-        if self.is_main and cfg.logging.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        for cb in self.callbacks:
+            cb.pre_train(self)
         last: dict[str, Any] = {}
         while self.step < cfg.train.max_steps:
             lr = lr_at(self.step, cfg.train.max_steps, cfg.optim)
@@ -349,22 +337,14 @@ class Trainer:
                 if self.consecutive_skips >= cfg.train.max_consecutive_skips or is_last:
                     raise TrainingError(streak_message(self.consecutive_skips, self.run_dir, is_last))
             last = record
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{result.loss:.3f}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                    rank_imb=f"{record.get('moe/rank_imbalance', 1.0):.2f}",
-                    drop=f"{record.get('moe/dropped_frac', 0.0):.3f}",
-                )
-            elif self.is_main and cfg.train.log_every and self.step % cfg.train.log_every == 0:
-                log.info("%s", step_summary(record))
+            for cb in self.callbacks:
+                cb.post_step(self, record)
             if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or is_last or self.save_deferred:
                 self.save_when_healthy()
-        if bar is not None:
-            bar.close()
         self.checkpointer.wait()
         self.metrics.close()
+        for cb in self.callbacks:
+            cb.post_train(self)
         return last or self.finished_record()
 
     def save_when_healthy(self) -> None:

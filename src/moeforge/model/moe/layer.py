@@ -43,6 +43,12 @@ class MoELayer(nn.Module):
             out = out + shared
         return out.view(shape)
 
+    @torch.no_grad()
+    def post_batch(self, expert_counts: Tensor) -> None:
+        """End-of-batch bookkeeping after an optimizer step: ``expert_counts`` (E,) are the routes each expert
+        received over the whole step, every micro-batch and rank; the router's loss-free bias moves by them."""
+        self.router.update_bias(expert_counts)
+
 
 def routing_losses(layers: list[MoELayer]) -> tuple[Tensor, Tensor, Tensor] | None:
     """``(weighted aux + z loss for the gradient, per-layer aux losses, per-layer z losses)`` of the layers'
