@@ -32,10 +32,10 @@ LEVELS = {
     "report": 7,
     "bench": 8,  # its pages use the report's plots and the plan's peaks
     "experiment": 8,  # runs `moeforge train` per variant, tables from the report's readers
-    "testing": 9,
     "launch": 9,
     "cli": 10,
-    "__main__": 11,
+    "testing": 11,  # test helpers: gloo runs, the host-sync detector, fault injection around the CLI
+    "__main__": 12,
 }
 
 
@@ -185,3 +185,14 @@ def test_parameter_roles_follow_modules_not_names() -> None:
         id(model.ffn.experts.w2),
     }
     assert len(no_decay["params"]) == 2 and torch.is_tensor(no_decay["params"][0])
+
+
+def test_layout_rules_are_checked_once_at_validation() -> None:
+    """The expert-parallel rule lives in config/validation.py; run-time code trusts it (an assertion at most).
+    The planner, which enumerates candidate layouts, is validation's only other caller."""
+    callers = sorted(
+        str(f.relative_to(SRC))
+        for f in SRC.rglob("*.py")
+        if "check_ep(" in f.read_text() and f.relative_to(SRC).as_posix() not in {"config/validation.py"}
+    )
+    assert callers == ["plan/planner.py"], callers

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moeforge.config import ParallelConfig
-from moeforge.config.validation import check_ep
 
 
 @dataclass
@@ -147,7 +146,7 @@ def build_mesh(cfg: ParallelConfig, device_type: str = "cpu") -> MoEMesh:
     if not dist.is_available() or not dist.is_initialized():
         return MoEMesh()
     world, rank = dist.get_world_size(), dist.get_rank()
-    check_ep(cfg.ep, world_size=world)
+    assert world % cfg.ep == 0, "validate_layout checks parallel.ep against the world"
     pp, cp, tp = cfg.pp, cfg.cp, cfg.tp
     stage = world // pp  # ranks of one stage
     data = stage // tp  # the MoE's data ranks of one (stage, tp index): dp x cp

@@ -55,7 +55,7 @@ def pack_layer(
     """One layer's raw load numbers as a float32 vector on ``tokens_per_expert``'s device (no host read)."""
     tpe = tokens_per_expert.detach().float().reshape(-1)
     num_experts = tpe.numel()
-    if ep < 1 or num_experts % ep != 0:
+    if ep < 1 or num_experts % ep != 0:  # a public helper: its callers need not come through validation
         raise ValueError(f"balance metrics: ep ({ep}) must divide the number of experts ({num_experts})")
     out = torch.zeros(packed_width(num_experts, ep), device=tpe.device)
     out[:num_experts] = tpe

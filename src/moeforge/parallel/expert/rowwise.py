@@ -58,7 +58,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moeforge.config.validation import check_ep
 from moeforge.model.moe.dispatch import Dispatcher, DispatchStats
 
 
@@ -116,7 +115,7 @@ class RowwiseDispatcher(Dispatcher):
         self.num_experts = num_experts
         self.ep_group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-        check_ep(self.ep, num_experts)
+        assert num_experts % self.ep == 0, "validate_config checks parallel.ep against the experts"
         self.num_local_experts = num_experts // self.ep
         self.capacity_factor = capacity_factor
         self.stats = DispatchStats()
