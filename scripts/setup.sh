@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv/ and install moeforge with its test, bench and tracking extras from the lock:
+# Create .venv/ and install moeforge with its test, bench, tracking, lowp and docs extras from the lock:
 # requirements.lock pins every dependency with sha256 hashes (refresh it with `make lock`).
 # torch is not in the lock (its dependencies are). An installed torch is kept: on a GPU machine,
 # install the CUDA build you want into .venv first. Otherwise torch==2.13.0 is installed first,

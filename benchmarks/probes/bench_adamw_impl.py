@@ -1,10 +1,11 @@
+# Measures: for-loop, foreach and fused AdamW step time on the 30M parameters of configs/bench/hf.yaml.
 """torch's AdamW implementations side by side on the parameters of ``configs/bench/hf.yaml``'s model.
 
 Times one optimizer step of the for-loop (``foreach=False``), ``foreach`` and ``fused`` AdamW on the
 same 30M parameters with the same gradients, in fp32 and in bf16, one thread, taking turns each round.
 It is the measurement behind ``optim.implementation=auto`` taking the fused kernel on the CPU.
 
-    PYTHONPATH=src python scripts/bench_adamw_impl.py OUT.json [--rounds 8]
+    PYTHONPATH=src python benchmarks/probes/bench_adamw_impl.py OUT.json [--rounds 8]
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
+# Measures: bf16 SDPA, fp32 SDPA and eager attention, forward + backward, over a grid of shapes.
 """bf16 attention against fp32 attention of the same bf16 inputs and against eager attention, forward + backward,
 at several shapes.
 
 What ``model.attention_precision: auto`` and ``model.attention_implementation: auto`` measure
-(:func:`moeforge.ops.sdpa.time_sdpa`), over a grid of shapes with causal GQA, one thread, and what they would decide
-at each (:func:`moeforge.ops.sdpa.pick_attention`; eager only up to ``EAGER_MAX_SEQ``).
+(:func:`moeforge.bench.tune.time_sdpa`), over a grid of shapes with causal GQA, one thread, and what they would decide
+at each (:func:`moeforge.bench.tune.pick_attention`; eager only up to ``EAGER_MAX_SEQ``).
 
-    PYTHONPATH=src python scripts/bench_attention_precision.py OUT.json [--rounds 5]
+    PYTHONPATH=src python benchmarks/probes/bench_attention_precision.py OUT.json [--rounds 5]
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from moeforge.bench.tune import pick_attention, time_sdpa
 from moeforge.ops.eager_attention import EAGER_MAX_SEQ
-from moeforge.ops.sdpa import pick_attention, time_sdpa
 
 # (batch, heads, kv heads, seq, head_dim): --compare hf's config first, then longer sequences and wider heads
 SHAPES = [

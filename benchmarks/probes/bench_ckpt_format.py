@@ -1,3 +1,4 @@
+# Measures: DCP's record format and dcp.save against a raw write + fsync of the same bytes.
 """What DCP's file format costs to write, against the disk's raw sequential write of the same bytes.
 
 torch's DCP ``FileSystemWriter`` writes each tensor as a ``torch.save`` record, and its ``FileSystemReader`` reads
@@ -11,7 +12,7 @@ one process's model + AdamW state of ``configs/bench/stacks.yaml``:
   save that is written, verified, then published does in DCP's format;
 - ``dcp``: ``torch.distributed.checkpoint.save`` with one file and one thread, fsynced.
 
-    PYTHONPATH=src python scripts/bench_ckpt_format.py DIR OUT.json [--rounds 5]
+    PYTHONPATH=src python benchmarks/probes/bench_ckpt_format.py DIR OUT.json [--rounds 5]
 """
 
 from __future__ import annotations

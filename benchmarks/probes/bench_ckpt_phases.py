@@ -1,6 +1,8 @@
+# Measures: seconds of each phase of a synchronous checkpoint save, against a raw write + fsync.
 """Seconds of each phase of a synchronous checkpoint save, each save followed by a raw write + fsync of its bytes.
 
-    PYTHONPATH=src torchrun --standalone --nproc-per-node 2 scripts/bench_ckpt_phases.py RUN_DIR OUT.json [OVERRIDES]
+    PYTHONPATH=src torchrun --standalone --nproc-per-node 2 benchmarks/probes/bench_ckpt_phases.py \
+        RUN_DIR OUT.json [OVERRIDES]
 
 The model and layout are ``configs/bench/stacks.yaml`` (the bench's checkpoint figures). Phases, as marked by
 ``checkpoint_store.phase``: ``staged`` (state collected), ``written`` (DCP's write, every rank), ``manifest`` (the
@@ -48,9 +50,8 @@ def main(run_dir: str, out: str, overrides: list[str], saves: int = 5) -> None:
         if dist.is_initialized():
             dist.barrier()
     if trainer.is_main:
-        cmd = "PYTHONPATH=src torchrun --standalone --nproc-per-node 2 scripts/bench_ckpt_phases.py " + " ".join(
-            [run_dir, out, *overrides]
-        )
+        cmd = "PYTHONPATH=src torchrun --standalone --nproc-per-node 2 benchmarks/probes/bench_ckpt_phases.py "
+        cmd += " ".join([run_dir, out, *overrides])
         with open(out, "w") as f:
             json.dump({"command": cmd, "saves": rows, "env": collect_env()}, f, indent=1)
         for row in rows:

@@ -1,3 +1,4 @@
+# Measures: the MoE combine (weighted_unpermute) against the (tokens, k, D) product it replaced.
 """The MoE combine (expert outputs back to token order, weighted, summed over the k routes), forward +
 backward, one thread: :func:`moeforge.model.moe.dispatch.weighted_unpermute` (built on
 ``weighted_gather``) against the ``(tokens, k, D)`` product formula it replaced, at the HF layer
@@ -5,7 +6,7 @@ comparison's size (4,096 tokens, top-2, d_model 512) and ``--compare hf``'s (2,0
 d_model 256). Both are first checked to give the same output and gradients, bit for bit; then they
 take turns each round.
 
-    PYTHONPATH=src python scripts/bench_combine.py OUT.json [--rounds 15]
+    PYTHONPATH=src python benchmarks/probes/bench_combine.py OUT.json [--rounds 15]
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
+# Measures: training-step A/B of the CPU expert-group row alignment (cpu_group_align).
 """A/B of the CPU group alignment: moeforge models (same weights, tokens, AdamW) trained side by side,
 ``GroupedExperts.cpu_align`` 64 against 1 (off) by default, for every dtype (the default aligns bf16/fp16
 only), alternating step by step in one process, one thread. ``--aligns 64,16`` compares other alignments
 (ratios are over the last one), ``--steps N`` times N steps after 2 warm-up steps (default 10).
 
-    PYTHONPATH=src python scripts/bench_cpu_align.py OUT.json bf16_autocast fp32 [--aligns 64,16] [--steps 10]
+    PYTHONPATH=src python benchmarks/probes/bench_cpu_align.py OUT.json bf16_autocast fp32 [--aligns 64,16] [--steps 10]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main(out: str, modes: list[str], aligns: tuple[int, ...] = (64, 1), steps: i
     torch.set_num_threads(1)
     cfg = load_config("configs/bench/hf.yaml", [])
     batches = token_batches(cfg.model.vocab_size, 8, 256, steps + 2, 0, torch.device("cpu"))
-    result: dict = {"command": "PYTHONPATH=src python scripts/bench_cpu_align.py " + argv}
+    result: dict = {"command": "PYTHONPATH=src python benchmarks/probes/bench_cpu_align.py " + argv}
     base = _name(aligns[-1])
     for mode in modes:
         contenders = {}

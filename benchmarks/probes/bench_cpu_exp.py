@@ -1,7 +1,8 @@
+# Measures: nanoseconds per element of torch's CPU exp, exp2 and bf16 exp, one thread.
 """torch's elementwise exponentials on the CPU, nanoseconds an element, one thread: why the cross-entropy takes
 ``exp(y)`` as ``exp2(y * log2 e)`` (``moeforge.ops.cross_entropy.LOG2_E``).
 
-    PYTHONPATH=src python scripts/bench_cpu_exp.py OUT.json
+    PYTHONPATH=src python benchmarks/probes/bench_cpu_exp.py OUT.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
+# Measures: routed experts alone at 8, 32 and 128 experts with equal FLOPs: the price per group.
 """Where expert scaling loses on the CPU: the routed experts (``GroupedExperts``, forward + backward)
 at 8, 32 and 128 experts with the same routes, the same top-k work and the same FLOPs, as the
 number of routed rows grows. One thread; the expert counts alternate within each round, so load on
 the machine falls on all alike.
 
-    PYTHONPATH=src python scripts/bench_expert_groups.py OUT.json
+    PYTHONPATH=src python benchmarks/probes/bench_expert_groups.py OUT.json
 
 For each dtype (fp32, bf16 autocast) and each row count it reports the median time of one forward
 + backward, the speed relative to 8 experts, and the cost per extra expert group
@@ -45,7 +46,7 @@ def _step(experts: GroupedExperts, x: torch.Tensor, offsets: torch.Tensor, autoc
 def main(out: str, rounds: int = 5) -> None:
     """Write every timing, the ratios and the per-group cost to ``out``; print the table."""
     torch.set_num_threads(1)
-    result: dict = {"command": f"PYTHONPATH=src python scripts/bench_expert_groups.py {out}", "runs": []}
+    result: dict = {"command": f"PYTHONPATH=src python benchmarks/probes/bench_expert_groups.py {out}", "runs": []}
     lines = ["| dtype | routed rows | rows per expert at 128 | " + " | ".join(f"E={e} ms" for e in EXPERTS)]
     lines[0] += " | E=128 / E=8 speed | per extra group, us |"
     lines.append("|---" * (5 + len(EXPERTS)) + "|")

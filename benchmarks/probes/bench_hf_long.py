@@ -1,3 +1,4 @@
+# Measures: moeforge / HF ratios over long runs, in windows of steps, with fresh inputs every step.
 """The HF comparisons over a long run, in windows: does the ratio of a short run last?
 
 ``moeforge bench --compare hf`` times 10 steps after 2 of warm-up, each on a fresh batch, and
@@ -10,7 +11,7 @@ transient that a long training run does not see. This script measures it: both c
 turns for ``--steps`` steps (same inputs for both; a fresh input every step, as in training) and the
 medians are reported per window of ``--window`` steps.
 
-    PYTHONPATH=src python scripts/bench_hf_long.py OUT.json [--steps 160] [--window 20]
+    PYTHONPATH=src python benchmarks/probes/bench_hf_long.py OUT.json [--steps 160] [--window 20]
         [--parts layer bf16_params bf16_autocast fp32]
 """
 

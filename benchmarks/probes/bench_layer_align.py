@@ -1,9 +1,10 @@
+# Measures: the hf_layer comparison at several CPU group alignments.
 """The CPU group alignment on the layer of ``moeforge bench --compare hf_layer``: moeforge's MoE layer
 with each ``cpu_group_align`` given (default 64 and 1, 1: off) against HF's ``Qwen3MoeSparseMoeBlock``
 on the same weights and inputs (d_model 512, 8 experts top-2, expert hidden 1024, 4096 tokens, bf16, one thread),
 forward + backward, alternating in one process (the order flips every round).
 
-    PYTHONPATH=src python scripts/bench_layer_align.py OUT.json [ALIGN,ALIGN,...]
+    PYTHONPATH=src python benchmarks/probes/bench_layer_align.py OUT.json [ALIGN,ALIGN,...]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main(out: str, aligns: tuple[int, ...] = (64, 1), rounds: int = 12, warmup: 
                 times[name].append(time.perf_counter() - start)
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {
-        "command": f"PYTHONPATH=src python scripts/bench_layer_align.py {out} {','.join(map(str, aligns))}",
+        "command": f"PYTHONPATH=src python benchmarks/probes/bench_layer_align.py {out} {','.join(map(str, aligns))}",
         "s": times,
         "median_s": med,
         "speed_over_hf": {name: med["hf"] / med[name] for name in names.values()},

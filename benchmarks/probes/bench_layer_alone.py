@@ -1,3 +1,4 @@
+# Measures: the hf_layer comparison with each layer alone in its own process.
 """``--compare hf_layer``'s two layers, each alone in a process of its own, against the usual alternating run.
 
 The bench alternates both contenders pass by pass in one process, which cancels the machine's drift but
@@ -7,7 +8,7 @@ d_model 512, 8 experts top-2, expert hidden 1024, 4096 tokens, bf16, one thread)
 process, one after the other, ``--rounds`` times, then both alternating in one process, and reports the
 median pass of each.
 
-    PYTHONPATH=src python scripts/bench_layer_alone.py OUT.json [--passes 12] [--rounds 2]
+    PYTHONPATH=src python benchmarks/probes/bench_layer_alone.py OUT.json [--passes 12] [--rounds 2]
 """
 
 from __future__ import annotations

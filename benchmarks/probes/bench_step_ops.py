@@ -1,3 +1,4 @@
+# Measures: training-step A/B of the fused head + loss and the hand-written RMSNorm / RoPE backwards.
 """A/B of the step's CPU ops: moeforge models (same weights, tokens, AdamW) trained side by side, alternating step
 by step in one process, one thread, on ``configs/bench/hf.yaml``:
 
@@ -8,7 +9,7 @@ by step in one process, one thread, on ``configs/bench/hf.yaml``:
 
 Each step's time and minor page faults (``getrusage``) are recorded; speeds are over ``reference``.
 
-    PYTHONPATH=src python scripts/bench_step_ops.py OUT.json fp32 bf16_autocast bf16_params [--steps 10]
+    PYTHONPATH=src python benchmarks/probes/bench_step_ops.py OUT.json fp32 bf16_autocast bf16_params [--steps 10]
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def main(out: str, modes: list[str], steps: int = 10, argv: str = "") -> None:
     torch.set_num_threads(1)
     cfg = load_config("configs/bench/hf.yaml", [])
     batches = token_batches(cfg.model.vocab_size, 8, 256, steps + 2, 0, torch.device("cpu"))
-    result: dict = {"command": "PYTHONPATH=src python scripts/bench_step_ops.py " + argv, "modes": {}}
+    result: dict = {"command": "PYTHONPATH=src python benchmarks/probes/bench_step_ops.py " + argv, "modes": {}}
     for mode in modes:
         contenders = {}
         for name, (fused, _) in VARIANTS.items():

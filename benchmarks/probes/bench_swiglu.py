@@ -1,10 +1,11 @@
+# Measures: the experts' SwiGLU forward + backward: autograd against moeforge's blocked kernel.
 """The experts' SwiGLU activation, forward + backward, at the layer benchmark's size: autograd's version
 against :func:`moeforge.ops.swiglu`'s blocked one at several block sizes, and at the default block size
 with ``reuse_input`` (the gradient written into the input's storage, as the experts call it) (8,704 x 2 x
 1,024 bf16, the padded rows of ``--compare hf_layer``; one thread; the variants take turns each round;
 each pass gets a fresh copy of the input, made before its clock starts).
 
-    PYTHONPATH=src python scripts/bench_swiglu.py OUT.json [--rounds 9] [--tokens 8704] [--hidden 1024]
+    PYTHONPATH=src python benchmarks/probes/bench_swiglu.py OUT.json [--rounds 9] [--tokens 8704] [--hidden 1024]
 
 ``--tokens`` / ``--hidden`` set another shape (``--compare hf``'s step: about 9,000 x 2 x 256).
 """

@@ -1,7 +1,8 @@
+# Measures: what 128 experts cost beyond 8, with and without gradient-accumulation fusion.
 """What 128 experts cost the CPU step beyond 8, and what gradient-accumulation fusion and the one-pass finite
 check take off it. One thread, one process; the compared cases alternate within each round.
 
-    PYTHONPATH=src python scripts/bench_wgrad_fusion.py OUT.json
+    PYTHONPATH=src python benchmarks/probes/bench_wgrad_fusion.py OUT.json
 
 1. The routed experts alone (``GroupedExperts`` forward + backward, d_model 128, hidden 128 as in
    ``configs/bench/experts.yaml``) with ``.grad`` already held, as the ddp stack's bucket views are:
@@ -130,7 +131,7 @@ def training_steps(run_dir: Path, rounds: int = 10) -> tuple[dict, Trainer]:
 def main(out: str) -> None:
     """Write every timing to ``out``; print the medians."""
     torch.set_num_threads(1)
-    result: dict = {"command": f"PYTHONPATH=src python scripts/bench_wgrad_fusion.py {out}"}
+    result: dict = {"command": f"PYTHONPATH=src python benchmarks/probes/bench_wgrad_fusion.py {out}"}
     result["experts_alone"] = experts_alone()
     with tempfile.TemporaryDirectory() as run_dir:  # the trainers' run directories (metrics, locks)
         result["steps"], trainer = training_steps(Path(run_dir))

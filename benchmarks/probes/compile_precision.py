@@ -1,8 +1,9 @@
+# Measures: bf16 error against fp32 of eager and torch.compile'd blocks (logits and gradients).
 """How far bf16 autocast lands from fp32, eager against ``train.compile``: the demo model at its seeded
 init, one batch of 8 x 256 real training tokens, logits and every parameter's gradient (loss =
 cross-entropy + the routers' aux and z losses), each compared with the fp32 eager model's.
 
-    PYTHONPATH=src python scripts/compile_precision.py OUT.json
+    PYTHONPATH=src python benchmarks/probes/compile_precision.py OUT.json
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main(out: str) -> None:
     tokens = np.memmap("data/shakespeare/train.bin", dtype=np.uint16, mode="r")
     batch = torch.from_numpy(np.stack([tokens[i * 257 : (i + 1) * 257].astype(np.int64) for i in range(100, 108)]))
     logits32, grads32 = _run(ref, batch, bf16=False)
-    result: dict = {"command": f"PYTHONPATH=src python scripts/compile_precision.py {out}"}
+    result: dict = {"command": f"PYTHONPATH=src python benchmarks/probes/compile_precision.py {out}"}
     _run(compiled, batch, bf16=True)  # compiles
     for name, model in (("eager_bf16", eager), ("compiled_bf16", compiled)):
         logits, grads = _run(model, batch, bf16=True)

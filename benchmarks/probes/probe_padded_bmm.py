@@ -1,3 +1,4 @@
+# Measures: routed experts as one padded torch.bmm against the grouped GEMM path.
 """Routed experts as one padded batched GEMM (``torch.bmm`` over ``(E, capacity, D)``) against the grouped path.
 
 A probe of one idea for the fixed price per expert group on the CPU
@@ -8,7 +9,7 @@ of the SwiGLU experts, uniform routing, one thread, the two paths alternating;
 medians of 7 rounds. The padded path is checked against the grouped one
 before it is timed.
 
-    PYTHONPATH=src python scripts/probe_padded_bmm.py OUT.json
+    PYTHONPATH=src python benchmarks/probes/probe_padded_bmm.py OUT.json
 """
 
 from __future__ import annotations

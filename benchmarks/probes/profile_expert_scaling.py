@@ -1,3 +1,4 @@
+# Measures: device time per kernel category of a training step at 8 and 128 experts (GPU).
 """Where the time of a training step goes at 8 and at 128 experts (same active parameters).
 
 One process, the real :class:`~moeforge.train.trainer.Trainer` on CONFIG (default
@@ -7,7 +8,7 @@ the mean step time, the device time of each kernel category (GEMMs, grouped GEMM
 elementwise, ...) per step and the 20 costliest kernels. Run it once per E (the trainer owns the
 process group), then compare the files:
 
-    torchrun --standalone --nproc-per-node 1 scripts/profile_expert_scaling.py OUT E [CONFIG] [--a.b=c ...]
+    torchrun --standalone --nproc-per-node 1 benchmarks/probes/profile_expert_scaling.py OUT E [CONFIG] [--a.b=c ...]
 """
 
 from __future__ import annotations
