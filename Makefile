@@ -15,5 +15,5 @@ test: setup
 lock: setup
 	.venv/bin/python -m pip install -q pip-tools
 	.venv/bin/pip-compile --quiet --strip-extras --generate-hashes \
-	  --extra test --extra bench --extra tracking --extra lowp --unsafe-package torch \
+	  --extra test --extra bench --extra tracking --extra lowp --extra docs --unsafe-package torch \
 	  --no-emit-index-url --no-emit-find-links -o requirements.lock pyproject.toml scripts/lock-torch-cpu.in
