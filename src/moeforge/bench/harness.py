@@ -54,7 +54,7 @@ def safe_name(name: str) -> str:
 
 
 def fp8_available() -> bool:
-    """Whether this machine's GPU runs torchao's FP8 rowwise grouped GEMM (CUDA, SM89 or newer)."""
+    """Whether the local GPU runs torchao's FP8 rowwise grouped GEMM (CUDA, SM89 or newer)."""
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)

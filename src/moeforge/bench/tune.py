@@ -1,4 +1,4 @@
-"""``moeforge tune CONFIG --out FILE``: measure the attention cores on this machine and write the choice into a
+"""``moeforge tune CONFIG --out FILE``: measure the attention cores where it runs and write the choice into a
 config the user keeps.
 
 Defaults never depend on a timing (:mod:`moeforge.model.kernels` decides ``auto`` by fixed rules); this command

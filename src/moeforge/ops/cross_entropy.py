@@ -8,7 +8,7 @@ Two forms share one per-row kernel (:func:`xent_rows_`):
   gradients before the next chunk is made, so the logits and their gradient never exist whole (as in
   Liger-Kernel's fused linear cross-entropy). On the CPU that spares two ``tokens x vocab`` tensors a step,
   which glibc maps fresh from the kernel every time (64 MB of page faults a step at 2,048 tokens of an
-  8,192-token vocabulary in bf16, measured in docs/benchmarks.md).
+  8,192-token vocabulary in bf16, benchmarks/2026-12-06-cpu-kernel-notes.md).
 
 Both compute the gradient in the forward: the loss is a scalar, so its gradient is the softmax minus the
 one-hot target, scaled, whatever comes after; backward only multiplies the incoming scalar in (nothing to
@@ -26,24 +26,24 @@ from torch.autograd.function import once_differentiable
 
 #: elements of one chunk of :func:`xent_rows_` (128K: 16 rows of a 8192-entry vocabulary, 512 KB in fp32): the
 #: chunk's fp32 temporaries stay in a core's L2 cache through the passes over them, and the CPU allocator reuses
-#: their blocks instead of mapping fresh pages each step. Forward + backward on 2048 x 8192 bf16 logits, one
-#: thread: 47 ms against 76 ms with 1M-element chunks on an Intel Xeon, 47 against 53 ms on an AMD EPYC
-#: (``scripts/bench_ce_chunks.py``, docs/benchmarks.md). The chunking is per row, so the values do not depend on it.
+#: their blocks instead of mapping fresh pages each step; how it compares with larger chunks depends on the CPU
+#: (``scripts/bench_ce_chunks.py``, benchmarks/2026-12-06-cpu-kernel-notes.md). The chunking is per row, so the
+#: values do not depend on it.
 CE_CHUNK_ELEMENTS = 1 << 17
 
 #: logits elements made at once by :func:`linear_cross_entropy` (2M: 256 rows of an 8192-entry vocabulary, 4 MB in
 #: bf16): rows enough for the projection's GEMMs to run at full speed, few enough that the chunk is allocated from
-#: the heap, not mapped fresh (docs/benchmarks.md)
+#: the heap, not mapped fresh (benchmarks/2026-12-06-cpu-kernel-notes.md)
 LINEAR_CE_CHUNK_ELEMENTS = 1 << 21
 
 #: fewest rows per chunk of :func:`linear_cross_entropy`, however large the vocabulary: thinner GEMMs slow down
 LINEAR_CE_MIN_ROWS = 64
 
 
-#: log2(e): :func:`xent_rows_` takes ``exp(y)`` as ``exp2(y * LOG2_E)``. torch's fp32 ``exp`` on the CPU goes
-#: through MKL's vector math, which ran at 0.84 ns an element on an AMD EPYC against 0.30 ns for ``exp2`` (and 0.48 ns
-#: for bf16 ``exp``), one thread; the extra multiply costs 0.09 ns. The relative error it adds is about
-#: ``|y| * 2**-24``, under 1.2e-6 where ``exp(y)`` is above 1e-9 of the row's largest term (docs/benchmarks.md).
+#: log2(e): :func:`xent_rows_` takes ``exp(y)`` as ``exp2(y * LOG2_E)`` because torch's fp32 ``exp`` on the CPU goes
+#: through MKL's vector math, slower than ``exp2`` and the extra multiply together. The relative error it adds is
+#: about ``|y| * 2**-24``, under 1.2e-6 where ``exp(y)`` is above 1e-9 of the row's largest term
+#: (benchmarks/2026-12-06-cpu-kernel-notes.md).
 LOG2_E = 1.4426950408889634
 
 
@@ -153,7 +153,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = max(LINEAR_CE_MIN_ROWS, LINEAR_CE_CHUNK_ELEMENTS // vocab)
         buf = _chunk_buffer(min(rows, n), vocab, x.device)
         # a low-precision chunk product is written to one buffer and upcast into another before it is added: a
-        # mixed-dtype add_ of a GEMM's output ran 7x slower on the CPU (docs/benchmarks.md)
+        # mixed-dtype add_ of a GEMM's output is several times slower on the CPU
+        # (benchmarks/2026-12-06-cpu-kernel-notes.md)
         upcast = dw is not None and w.dtype != dw.dtype
         part = torch.empty_like(w) if upcast else None
         part32 = torch.empty_like(dw) if upcast else None

@@ -9,12 +9,12 @@ GEMMs. The query positions are cut into :data:`EAGER_CAUSAL_SPANS` spans, and a 
 the keys up to its end only, so the masked part of the ``T x T`` square is mostly skipped (5/8 of it is computed
 with 4 spans). The precision is flash attention's: the scores and the softmax are fp32 (a bf16 input is upcast a
 block at a time), ``P`` and the softmax gradient ``dS`` are rounded to the inputs' dtype for the GEMMs that use
-them, and the key and value gradients are summed over the spans in fp32. Measured against flash attention
-(docs/benchmarks.md): about 2x faster forward + backward than bf16 flash attention at the benchmark's shape, with
-errors against fp64 of the same size as flash attention's in bf16.
+them, and the key and value gradients are summed over the spans in fp32. Forward + backward is faster than bf16
+flash attention at the benchmark's shape, with errors against fp64 of the same size as flash attention's in bf16
+(benchmarks/2026-12-06-cpu-kernel-notes.md).
 
 The cost is memory: ``P`` is about ``5/8 B H T^2`` elements a layer (:func:`eager_saved_scores`), kept until
-backward, so ``auto`` considers it only up to :data:`EAGER_MAX_SEQ` positions. Query head ``h`` reads key/value
+backward, so ``auto`` picks it only up to :data:`EAGER_MAX_SEQ` positions. Query head ``h`` reads key/value
 head ``h // (H / Hkv)``, as ``F.scaled_dot_product_attention(..., enable_gqa=True)``.
 """
 
@@ -26,18 +26,17 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
-#: the longest sequence ``model.attention_implementation: auto`` times eager attention at: ``P`` grows with its square
+#: the longest sequence ``model.attention_implementation: auto`` picks eager attention for (a fixed rule in
+#: :mod:`moeforge.model.kernels`): ``P`` grows with the square of the sequence, flash attention's memory does not
 EAGER_MAX_SEQ = 1024
 
 #: bytes of a whole ``T x T`` fp32 score square per block of groups (a block's spans make 5/8 of it): 16 groups at the
-#: benchmark's shape. With the causal spans, forward + backward in bf16 took 16.0 to 18.1 ms with 8 MB blocks,
-#: against 22 ms with 2 MB, 17.8 to 19.6 ms with 4 MB and 21 to 25 ms with 16 MB (scratch timing, AMD EPYC, one
-#: thread); before the spans 2 MB had been best
+#: benchmark's shape; with the causal spans the fastest of 2, 4, 8 and 16 MB
+#: (benchmarks/2026-12-06-cpu-kernel-notes.md)
 EAGER_BLOCK_BYTES = 8 * 1024 * 1024
 
-#: query spans a sequence is cut into, each scored against the keys up to its end: forward + backward in bf16 at the
-#: benchmark's shape took 19.8 ms with 2 spans, 16.2 ms with 4 and 16.0 ms with 8, against 20 ms for the whole
-#: square (scratch timing, AMD EPYC, one thread); 4 keeps the GEMMs larger
+#: query spans a sequence is cut into, each scored against the keys up to its end: 4 is about as fast as 8 and keeps
+#: the GEMMs larger; 2 is barely faster than the whole square (benchmarks/2026-12-06-cpu-kernel-notes.md)
 EAGER_CAUSAL_SPANS = 4
 
 

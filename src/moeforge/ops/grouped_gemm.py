@@ -139,11 +139,11 @@ def aligned_groups(offsets: Tensor, rows: int, align: int) -> tuple[Tensor, Tens
     int32 offsets, rows of the padded buffer)``.
 
     Why: on the CPU, oneDNN compiles a matmul kernel for every new shape, and the per-expert row
-    counts change with every routing decision, so each group of a grouped GEMM met a fresh ``M``
-    and paid a kernel compilation (about 6 ms against 0.07 ms for a 300 x 256 x 512 bf16 product
-    measured here). With groups padded to multiples of ``align``, ``M`` takes few values and the
-    compiled kernels are reused. The padded rows are zeros: they add nothing to weight gradients
-    and their outputs are never read. Off the CPU the buffer size is a bound from shapes alone
+    counts change with every routing decision, so each group of a grouped GEMM would meet a fresh ``M``
+    and pay a kernel compilation costing far more than the product itself
+    (benchmarks/2026-12-06-cpu-kernel-notes.md). With groups padded to multiples of ``align``, ``M``
+    takes few values and the compiled kernels are reused. The padded rows are zeros: they add nothing to
+    weight gradients and their outputs are never read. Off the CPU the buffer size is a bound from shapes alone
     (``rows + groups * (align - 1)``, rounded up), so nothing is read to the host; on the CPU, where
     reading it costs nothing, it is exact, so the rows past the last group (about ``groups * align / 2``
     of the bound's ``groups * align``) are neither allocated nor carried through the SwiGLU and the gathers.

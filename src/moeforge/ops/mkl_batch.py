@@ -4,8 +4,9 @@
 ``out[g]`` for every group with MKL's ``cblas_sgemm_batch`` (one call for all groups, ``beta = 1``).
 It is the CPU half of what Megatron-Core calls gradient-accumulation fusion: the weight-gradient GEMM
 writes into the parameter's ``.grad`` (the gradient bucket) instead of into a fresh ``(E, N, K)``
-tensor that autograd then adds to ``.grad``. At 128 experts that fresh tensor and the addition were
-two extra passes over memory the size of every expert's weights, each step (docs/benchmarks.md).
+tensor that autograd then adds to ``.grad``. At 128 experts that fresh tensor and the addition are
+two extra passes over memory the size of every expert's weights, each step
+(benchmarks/2026-12-05-expert-scaling-cpu.md).
 
 MKL comes with the x86 CPU builds of torch (``torch.backends.mkl.is_available()``); the symbol is
 looked up once in torch's own library, and :func:`has_mkl_batch` is False where it is absent.
@@ -41,7 +42,7 @@ def _sgemm_batch() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def has_mkl_batch() -> bool:
-    """True when MKL's batched single-precision GEMM can be called on this machine."""
+    """True when MKL's batched single-precision GEMM can be called in this process."""
     return _sgemm_batch() is not None
 
 

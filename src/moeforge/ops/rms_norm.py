@@ -3,11 +3,11 @@
 torch's CPU ``rms_norm`` has a fused forward but no fused backward: autograd differentiates its decomposition
 (``pow``, ``mean``, ``rsqrt`` and their products), a dozen passes and as many fresh tensors over the input. Here the
 forward keeps only the input and the per-row inverse RMS, and the backward is one formula, ``dx = r * (g - x_hat *
-mean(g * x_hat))`` with ``g`` the gradient of the normalized ``x_hat = x * r``, in fp32 with in-place steps: forward
-+ backward 1.3x to 2.8x faster at the bench step's shapes (docs/benchmarks.md). The arithmetic is the reference's
-(:func:`rms_norm_reference`) up to rounding: the inverse RMS comes from a norm rather than a mean of squares, and
-the input gradient is rounded once instead of at each step of the decomposition. Under ``torch.compile`` and on
-DTensors it is the reference.
+mean(g * x_hat))`` with ``g`` the gradient of the normalized ``x_hat = x * r``, in fp32 with in-place steps, so forward
++ backward is faster at the bench step's shapes (benchmarks/2026-12-06-cpu-kernel-notes.md). The arithmetic is the
+reference's (:func:`rms_norm_reference`) up to rounding: the inverse RMS comes from a norm rather than a mean of
+squares, and the input gradient is rounded once instead of at each step of the decomposition. Under
+``torch.compile`` and on DTensors it is the reference.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 Llama, OLMoE and Qwen): ``x * cos + rotate_half(x) * sin``, computed in the tables' fp32 and rounded once to ``x``'s
 dtype. A rotation's gradient is the rotation by the opposite angle, so backward is the same function with ``-sin``
 and one pass, where autograd runs back through ``neg``, ``cat``, two products, a sum and a cast (forward + backward
-1.2x to 2.2x faster at the bench step's shapes, docs/benchmarks.md). The forward equals :func:`apply_rope_reference`
-to the bit; the gradient is rounded once, not at each step. Under ``torch.compile`` and on DTensors it is the
-reference.
+is faster at the bench step's shapes, benchmarks/2026-12-06-cpu-kernel-notes.md). The forward equals
+:func:`apply_rope_reference` to the bit; the gradient is rounded once, not at each step. Under ``torch.compile``
+and on DTensors it is the reference.
 """
 
 from __future__ import annotations

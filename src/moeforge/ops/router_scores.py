@@ -4,7 +4,7 @@
 :func:`softmax_router_scores_reference` is the plain autograd version. Its backward runs a chain of
 ``(tokens, experts)`` passes: the softmax's, the log-sum-exp's (which also keeps the logits), the mean's
 broadcast, the gather's scatter into a zero tensor, and the additions between them. With 128 experts
-those passes cost about as much as the router's GEMMs (measured in docs/benchmarks.md). The three
+those passes cost about as much as the router's GEMMs (benchmarks/2026-12-05-expert-scaling-cpu.md). The three
 gradients meet in a closed form: with ``p = softmax(logits)``, ``S`` the gradient of the chosen ``p``
 (``k`` per row), ``c_e`` the aux loss's gradient per expert and ``a_t`` the z-loss's per token,
 

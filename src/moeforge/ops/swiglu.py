@@ -5,13 +5,14 @@ its backward makes two products, the silu gradient and a ``cat`` of the two halv
 tensor the size of ``h`` or half of it. :func:`swiglu` computes the same values with the same ops
 in the same order per element (so bit for bit the same), but keeps only ``h``, writes both halves
 of the gradient in place, and on the CPU walks a block of rows at a time so that each block's
-intermediates stay in cache (measured in docs/benchmarks.md). Under ``torch.compile`` it is the
-reference, which inductor fuses itself.
+intermediates stay in cache (benchmarks/2026-12-06-cpu-kernel-notes.md). Under ``torch.compile``
+it is the reference, which inductor fuses itself.
 
 With ``reuse_input=True`` (the experts' gate/up product, which nothing else reads) the backward writes
 the gradient into ``h``'s own storage instead of a fresh ``(rows, 2F)`` tensor: the largest
 activation of an expert MLP is not allocated a second time (on the CPU fresh pages of that size cost
-as much as the elementwise work, measured in docs/benchmarks.md), and peak memory drops by its size.
+as much as the elementwise work, benchmarks/2026-12-06-cpu-kernel-notes.md), and peak memory drops by its
+size.
 Such a graph can then be differentiated once only; a second backward raises.
 """
 

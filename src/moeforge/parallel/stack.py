@@ -81,8 +81,8 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 def use_fused_adamw(implementation: str, device: torch.device) -> bool:
     """``optim.implementation``: ``fused`` always, ``foreach`` never, ``auto`` on the CPU and CUDA (one pass
-    over the state instead of one per foreach operation: 4x to 6.5x faster on this CPU, and what removed
-    the optimizer's cost at 128 experts on an H200; measured in docs/benchmarks.md)."""
+    over the state instead of one per foreach operation, which makes the optimizer step several times cheaper on
+    the CPU and at 128 experts on CUDA; benchmarks/2026-12-06-cpu-kernel-notes.md)."""
     return implementation == "fused" or (implementation == "auto" and device.type in FUSED_ADAMW_DEVICES)
 
 

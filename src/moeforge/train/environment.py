@@ -3,7 +3,7 @@
 The checklist of the seed articles asks every result to pin the commit, the
 CUDA stack and the PyTorch version, and to record the devices, the
 interconnect, the precision and the batch. :func:`collect_env` gathers what
-this machine can tell (the precision, batch and layout of each variant are
+the host can tell (the precision, batch and layout of each variant are
 recorded per variant by the worker); fields that cannot be known here are
 ``None`` rather than guessed.
 """

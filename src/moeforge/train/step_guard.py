@@ -31,8 +31,9 @@ def weights_finite(model: nn.Module) -> Tensor:
     """A 0-d bool tensor: every local parameter (shard) of ``model`` is finite.
 
     A tensor holds a NaN or an infinity exactly when its minimum or maximum does (both propagate NaN), so one
-    ``aminmax`` pass per parameter decides it; ``isfinite(p).all()`` made four passes and two temporaries the
-    size of the weights, which at 128 experts cost as much as the optimizer step (docs/benchmarks.md).
+    ``aminmax`` pass per parameter decides it; ``isfinite(p).all()`` makes four passes and two temporaries the
+    size of the weights, which at 128 experts cost as much as the optimizer step
+    (benchmarks/2026-12-05-expert-scaling-cpu.md).
     """
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     extremes = [torch.stack(torch.aminmax(t.detach())) for t in local if t.numel()]

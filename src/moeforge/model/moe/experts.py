@@ -35,7 +35,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts, self.d_model, self.hidden, self.impl = num_experts, d_model, hidden, impl
         self.cpu_align = cpu_align  # rows each group is aligned to on the CPU (1: no padding)
-        # the dtypes that get it: measured to pay in bf16 (1.6x a step) but not in fp32 (0.9x), docs/benchmarks.md
+        # padding pays in bf16/fp16 and costs in fp32 (benchmarks/2026-12-06-cpu-kernel-notes.md)
         self.cpu_align_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
