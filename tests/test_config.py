@@ -1,5 +1,8 @@
 """Config: YAML + dotted overrides, type checks, one clear error per mistake."""
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,34 @@ def test_compile_is_refused_with_the_quantized_gemms() -> None:
     for precision in ("mxfp8", "fp8_rowwise"):
         with pytest.raises(ConfigError, match=r"^train\.compile: train\.precision=\w+: the quantized GEMMs"):
             load_config(CFG, ["--train.compile=true", f"--train.precision={precision}"])
+
+
+def test_duplicate_yaml_keys_are_refused_naming_key_and_lines(tmp_path: Path) -> None:
+    """YAML lets the last of two equal keys win silently; a config refuses it: `moeforge train` exits 2, one line."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "model:\n"  # 1
+        "  d_model: 64\n"  # 2
+        "train:\n"  # 3
+        "  max_steps: 10\n"  # 4
+        "  seed: 2\n"  # 5
+        "model:\n"  # 6: the whole section again
+        "  n_layers: 2\n"  # 7
+    )
+    with pytest.raises(
+        ConfigError, match=rf"^config: duplicate key model at lines 1 and 6 of {re.escape(str(bad))}; keep one of them$"
+    ):
+        load_config(bad)
+    bad.write_text("model:\n  d_model: 64\ntrain:\n  max_steps: 10\n  seed: 3\n\n\n\n  max_steps: 20\n")
+    with pytest.raises(ConfigError, match=r"^config: duplicate key train\.max_steps at lines 4 and 9 of "):
+        load_config(bad)
+    p = subprocess.run(
+        [sys.executable, "-m", "moeforge", "train", str(bad), f"--train.run_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2, p.stderr
+    expected = f"moeforge: error: config: duplicate key train.max_steps at lines 4 and 9 of {bad}; keep one of them"
+    assert p.stderr.strip().splitlines() == [expected]
+    assert not (tmp_path / "run").exists()

@@ -60,6 +60,54 @@ def test_random_routing_resumes_exactly_on_two_ranks(tmp_path: Path) -> None:
     _check_resumed(tmp_path)
 
 
+def _demo_random(root: Path, run: Path, steps: int, optim: str) -> list[str]:
+    """The demo config (bf16, grouped experts, its batch of 8 in micro-batches of 4, an evaluation at a run's
+    last step) on the synthetic corpus with random routing and a constant learning rate, so a 4-step run
+    resumed to 8 steps takes the same steps as 8 uninterrupted ones."""
+    tiny = tiny_config(root)
+    return [
+        f"--data.sources=[{','.join(tiny.data.sources)}]",
+        f"--data.data_dir={tiny.data.data_dir}",
+        "--data.bpe_vocab_size=300",
+        "--data.seq_len=64",
+        "--data.val_fraction=0.2",
+        "--model.moe.random_routing=true",
+        f"--optim.name={optim}",
+        "--optim.schedule=constant",
+        "--optim.warmup_steps=0",
+        f"--train.max_steps={steps}",
+        "--train.eval_batches=1",
+        "--train.save_every=0",
+        "--train.sample_tokens=0",
+        f"--train.run_dir={run}",
+        "--logging.progress=false",
+        "--parallel.ep=2",
+    ]
+
+
+def _demo_random_resume(root: str, optim: str) -> None:
+    from moeforge.config import load_config
+
+    root_p, demo = Path(root), Path(__file__).resolve().parents[1] / "configs" / "shakespeare.yaml"
+    Trainer(load_config(demo, _demo_random(root_p, root_p / optim / "whole", 8, optim))).fit()
+    halves = root_p / optim / "halves"
+    Trainer(load_config(demo, _demo_random(root_p, halves, 4, optim))).fit()  # evaluates at its step 4
+    Trainer(load_config(demo, _demo_random(root_p, halves, 8, optim))).fit()
+
+
+def test_random_routing_resumes_exactly_on_the_demo_config_at_ep2(tmp_path: Path) -> None:
+    """The demo at ep=2 on 2 ranks: 4 steps, an evaluation, a resume to 8 equal 8 uninterrupted steps, with Muon
+    (the demo's optimizer) and AdamW. Evaluation used to draw routes from training's stream, so the resumed
+    run's step 5 routed differently."""
+    tiny_config(tmp_path)  # the corpus, before the ranks start
+    Trainer(tiny_config(tmp_path, "--train.max_steps=1", f"--train.run_dir={tmp_path / 'prep'}"))
+    for optim in ("muon", "adamw"):
+        run_distributed_test(_demo_random_resume, 2, args=(str(tmp_path), optim))
+        whole = [r["loss"] for r in read_metrics(tmp_path / optim / "whole")]
+        halves = [r["loss"] for r in read_metrics(tmp_path / optim / "halves")]
+        assert len(whole) == 8 and halves == whole, (optim, whole, halves)
+
+
 def test_step_metrics_count_every_micro_batch(tmp_path: Path) -> None:
     """One step of 2 micro-batches: the logged per-expert load is the routes of the whole global batch."""
     cfg = tiny_config(tmp_path, "--train.max_steps=1", "--train.micro_batch_size=2")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import math
 from html.parser import HTMLParser
 from pathlib import Path
@@ -122,3 +123,56 @@ def test_report_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no metrics.jsonl" in err
     assert not (empty / "report").exists()
+
+
+class _Warnings(logging.Handler):
+    """Collects the messages of one logger (works without pytest's logging plugin)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.WARNING)
+        self.logger = logging.getLogger(name)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _Warnings:
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)
+
+
+def test_report_skips_torn_and_garbage_metrics_lines(tmp_path: Path) -> None:
+    """A killed run leaves a truncated last line; a garbage middle line too: report still works, warns once."""
+    run = fake_run(tmp_path / "run", steps=6)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines.insert(2, "\x00\x00garbage{")  # line 3
+    torn = json.dumps({"step": 7, "loss": 1.0})[:9]  # line 8: what a kill mid-write leaves
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n" + torn)
+    with _Warnings("moeforge.train.metrics") as caught:
+        assert main(["report", str(run), "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "index.html").is_file()
+    warnings = [m for m in caught.messages if "metrics.jsonl" in m]
+    assert len(warnings) == 1 and "skipped unreadable lines 3, 8" in warnings[0], warnings
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["records"] == 6
+
+
+def test_metrics_writer_starts_a_new_line_after_a_torn_one(tmp_path: Path) -> None:
+    from moeforge.train.metrics import MetricsWriter, read_metrics
+
+    (tmp_path / "env.json").write_text("{}")
+    good = json.dumps({"step": 1, "loss": 2.0})
+    (tmp_path / "metrics.jsonl").write_text(good + "\n" + '{"step": 2, "lo')
+    w = MetricsWriter(tmp_path)
+    w.write({"step": 2, "loss": 1.5})
+    w.write({"step": 3, "loss": 1.25})
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text.endswith("\n")
+    assert text.splitlines()[1] == '{"step": 2, "lo'  # the torn line stays alone, not glued to the record
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    # a resume drops the later steps and keeps the good records; the torn line goes too
+    assert w.truncate_after(2) == 1
+    assert (tmp_path / "metrics.jsonl").read_text() == good + "\n" + json.dumps({"step": 2, "loss": 1.5}) + "\n"

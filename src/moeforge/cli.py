@@ -77,9 +77,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Tokenise text into the memmap format (the embedded corpus when no sources are given)."""
-    from moeforge.data import prepare_data
+    """Tokenise text into the memmap format (the embedded corpus when no sources are given), or ``--verify`` it."""
+    from moeforge.data import load_meta, prepare_data
+    from moeforge.data.checksums import verify_data
 
+    if args.verify and args.overwrite:
+        return _fail("prepare: --verify only reads the data dir; pass --overwrite separately to rebuild it")
     extra = list(overrides)
     if args.sources:
         extra.append("--data.sources=[" + ",".join(repr(s) for s in args.sources) + "]")
@@ -87,6 +90,12 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
         extra.append(f"--data.data_dir={args.out}")
     cfg = load_config(args.config, extra)
     _setup_logging(cfg.logging.level)
+    if args.verify:
+        meta = load_meta(cfg.data.data_dir)
+        checked = verify_data(meta.data_dir, meta.checksums, full=True, required=True) or {}
+        counts = ", ".join(f"{name} {len(chunks)} chunks" for name, chunks in checked.items())
+        sys.stdout.write(f"verified {cfg.data.data_dir}: every checksum matches ({counts})\n")
+        return 0
     meta = prepare_data(cfg.data, overwrite=args.overwrite)
     sys.stdout.write(
         f"prepared {meta.data_dir}: vocab {meta.vocab_size}, train {meta.train.tokens} tokens "
@@ -186,7 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="rebuild the data dir even if it holds data of other sources or settings",
+        help="rebuild the data dir whatever it holds (also mends token files that fail --verify)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every chunk of the token files against the checksums in meta.json; rewrites nothing",
     )
     p.set_defaults(func=cmd_prepare)
 

@@ -10,6 +10,8 @@
 3     training failed: too many consecutive non-finite steps
 4     storage failed: disk full or a write error while saving
 5     a peer process died or a collective timed out (``parallel.timeout_s``)
+6     stopped by a signal (SIGTERM, SIGINT, SIGUSR1) after saving a checkpoint
+      of the step it reached: the same command resumes from it
 ====  =====================================================================
 
 :func:`classify` maps an exception to ``(code, message, collective)``;
@@ -28,11 +30,13 @@ USAGE = 2
 TRAINING = 3
 STORAGE = 4
 PEER = 5
+PREEMPTED = 6
 
 EXIT_CODES_HELP = (
     "exit codes: 0 success; 1 internal error (traceback); 2 refused input (config, command line, data, "
     "run directory locked or unusable, unsafe resume); 3 training failed (non-finite streak); "
-    "4 storage failed (disk full, write error); 5 a peer process died or a collective timed out"
+    "4 storage failed (disk full, write error); 5 a peer process died or a collective timed out; "
+    "6 stopped by a signal after saving a checkpoint (resume with the same command)"
 )
 
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG}
@@ -54,6 +58,12 @@ class StorageError(RuntimeError):
     def __init__(self, message: str, errno_: int = 0) -> None:
         super().__init__(message)
         self.errno = errno_
+
+
+class PreemptedError(RuntimeError):
+    """The job stopped on a signal after saving the step it reached; raised alike on every rank."""
+
+    exit_code = PREEMPTED
 
 
 class FollowerError(RuntimeError):

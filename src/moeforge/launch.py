@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from moeforge.config import ConfigError, load_config, validate_layout
-from moeforge.errors import PEER
+from moeforge.errors import PEER, PREEMPTED
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +73,23 @@ def _torchrun_argv(args: argparse.Namespace, overrides: list[str], worker: Seque
     ]
 
 
+def _report_stopped(signame: str, run_dir: Path, started: float) -> int:
+    """A launcher stopped by ``signame``: it forwarded the signal, and the workers saved at their next step
+    boundary (:mod:`moeforge.train.signals`), rank 0 saying so in one line. When no checkpoint was published
+    since the launch (the workers did not get that far), the launcher says where the run stands instead."""
+    from moeforge.train.checkpoint.store import complete_checkpoints
+
+    done = complete_checkpoints(run_dir)
+    if not done or done[-1].stat().st_mtime < started:
+        where = f"the newest complete checkpoint is {done[-1].name}" if done else "no checkpoint is complete"
+        sys.stderr.write(f"moeforge: error: stopped by {signame}; {where}; the same command resumes from it\n")
+    return PREEMPTED
+
+
 def launch_train(args: argparse.Namespace, overrides: list[str], worker: Sequence[str] = ("-m", "moeforge")) -> int:
     """Validate the config once, start the workers (``python WORKER train CONFIG OVERRIDES``), wait for them;
     returns the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
@@ -93,8 +109,11 @@ def launch_train(args: argparse.Namespace, overrides: list[str], worker: Sequenc
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch's own default, without its warning banner
     config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(_torchrun_argv(args, overrides, worker)))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # a fresh store per attempt (see above)
+    started = time.time()
     try:
         elastic_launch(config, cmd)(*cmd_args)
+    except SignalException as e:  # the launcher itself was signalled: it has stopped the workers with the signal
+        return _report_stopped(signal.Signals(e.sigval).name, Path(cfg.train.run_dir), started)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode > 0:

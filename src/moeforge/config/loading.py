@@ -159,6 +159,58 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping of the YAML file names one key twice (:class:`_UniqueKeyLoader` raises it)."""
+
+    def __init__(self, key: str, first: int, second: int) -> None:
+        super().__init__(f"duplicate key {key} at lines {first} and {second}")
+        self.key, self.first, self.second = key, first, second
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping holding one key twice (plain YAML keeps the last silently).
+
+    Keys are reported as dotted paths from the document root (``train.max_steps``); list items as ``[i]``.
+    """
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._checked: set[int] = set()
+        self._check_unique(node, "")
+        return super().construct_document(node)
+
+    def _check_unique(self, node: yaml.Node, prefix: str) -> None:
+        if id(node) in self._checked:  # an alias: checked where its anchor is (and no endless recursion)
+            return
+        self._checked.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # a merge key (<<) may repeat; a complex key is left to construct_mapping
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                name = f"{prefix}{key}"
+                try:
+                    if key in seen:
+                        raise DuplicateKeyError(name, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: construct_mapping reports it
+                    pass
+                self._check_unique(value_node, f"{name}.")
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._check_unique(item, f"{prefix.rstrip('.')}[{i}].")
+
+
+def _load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that raises :class:`DuplicateKeyError` on a key given twice in one mapping."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate."""
     data: dict[str, Any] = {}
@@ -167,7 +219,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config: file {str(p)!r} not found")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = _load_yaml(p.read_text()) or {}
+        except DuplicateKeyError as e:
+            raise ConfigError(
+                f"config: duplicate key {e.key} at lines {e.first} and {e.second} of {p}; keep one of them"
+            ) from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config: {p} is not valid YAML: {e}") from None
     cfg = from_dict(Config, data)

@@ -134,6 +134,7 @@ class TrainConfig:
     sample_prompt: str = ""  # text to continue after training (empty: no sample)
     sample_tokens: int = 80  # tokens to sample after training
     max_consecutive_skips: int = 5  # stop after this many steps in a row with a non-finite gradient
+    memory_check: Literal["refuse", "warn", "off"] = "refuse"  # model too big for a rank's memory: exit 2, warn, or off
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -184,7 +185,9 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(d.bpe_vocab_size >= 260, "data.bpe_vocab_size", "must be >= 260 (256 bytes + specials)")
     _check(bool(d.data_dir), "data.data_dir", "must not be empty")
     for i, src in enumerate(d.sources):
-        _check(Path(src).exists(), f"data.sources[{i}]", f"file {src!r} not found")
+        # a pattern is expanded by moeforge.data.corpus.expand_sources; here it only has to match a file
+        found = Path(src).exists() or any(Path(m).is_file() for m in glob.glob(src, recursive=True))
+        _check(found, f"data.sources[{i}]", f"no file {src!r} (nor a file matching it as a *, ?, [...] or ** pattern)")
     if d.tokenizer:
         _check(Path(d.tokenizer).is_file(), "data.tokenizer", f"file {d.tokenizer!r} not found")
 

@@ -1,5 +1,9 @@
 """Where documents come from: the embedded Shakespeare corpus, text files and JSONL files.
 
+A source that does not exist as written but holds a glob character (``*?[``) is a
+pattern: it stands for the files it matches, sorted (``**`` spans directories),
+and a pattern matching no file is an error naming it (:func:`expand_sources`).
+
 A *document* is one unit of text that ends with an end-of-document token once
 tokenized: a whole text file, one line of a JSONL file, or one play of the
 embedded corpus. Every problem with the input becomes one :class:`DataError`
@@ -8,6 +12,7 @@ that names the file (and line) and the fix.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
@@ -58,6 +63,34 @@ def embedded_corpus_files() -> list[Path]:
     return files
 
 
+GLOB_CHARS = frozenset("*?[")
+
+
+def expand_sources(paths: Iterable[str | Path]) -> list[Path]:
+    """``paths`` with each glob pattern replaced by the files it matches, sorted by name.
+
+    A path that exists is taken as it is, even when its name holds ``*?[``; one that does not exist
+    and holds them is a pattern (``**`` matches across directories).
+
+    Raises:
+        DataError: for a pattern that matches no file, naming it.
+    """
+    out: list[Path] = []
+    for p in paths:
+        path = Path(p)
+        if path.exists() or path.is_symlink() or not GLOB_CHARS & set(str(p)):
+            out.append(path)
+            continue
+        matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
+        if not matches:
+            raise DataError(
+                f"{p}: the pattern matches no files; fix the pattern or the path in data.sources "
+                "(patterns are expanded by moeforge: *, ?, [...] and ** across directories)"
+            )
+        out.extend(matches)
+    return out
+
+
 def _check_file(path: Path) -> None:
     if not path.exists():
         raise DataError(f"{path}: file not found; fix the path in data.sources")
@@ -100,14 +133,14 @@ def _read_jsonl(path: Path) -> list[Document]:
 
 def read_documents(paths: Iterable[str | Path]) -> list[Document]:
     """Read every document of ``paths`` in order: a text file is one document, a
-    ``.jsonl`` file one document per line (its ``text`` field).
+    ``.jsonl`` file one document per line (its ``text`` field). Glob patterns are
+    expanded first (:func:`expand_sources`).
 
     Raises:
-        DataError: for a missing, empty, non-UTF-8 or malformed file, naming it.
+        DataError: for a missing, empty, non-UTF-8 or malformed file, or a pattern matching nothing, naming it.
     """
     docs: list[Document] = []
-    for p in paths:
-        path = Path(p)
+    for path in expand_sources(paths):
         _check_file(path)
         if path.suffix.lower() in JSONL_SUFFIXES:
             docs.extend(_read_jsonl(path))
@@ -120,14 +153,14 @@ def read_documents(paths: Iterable[str | Path]) -> list[Document]:
 
 
 def sources_fingerprint(paths: Iterable[str | Path]) -> str:
-    """A SHA-256 over the contents of ``paths`` in order (not their locations).
+    """A SHA-256 over the contents of ``paths`` in order (not their locations), patterns expanded.
 
     Two source lists with the same files in the same order give the same
-    fingerprint wherever they lie; any edit, addition or reordering changes it.
+    fingerprint wherever they lie; any edit, addition or reordering changes it
+    (so does a file added to or removed from what a pattern matches).
     """
     outer = hashlib.sha256()
-    for p in paths:
-        path = Path(p)
+    for path in expand_sources(paths):
         _check_file(path)
         inner = hashlib.sha256()
         with path.open("rb") as f:

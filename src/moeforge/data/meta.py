@@ -1,4 +1,8 @@
-"""``meta.json``: what a prepared data directory holds, and bits-per-byte from its counts."""
+"""``meta.json``: what a prepared data directory holds, and bits-per-byte from its counts.
+
+Version 2 adds ``checksums`` (see :mod:`moeforge.data.checksums`); version 1 directories, which lack
+them, still load and are reported as unverified.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from moeforge.data.checksums import Checksums
 from moeforge.data.corpus import DataError
 
 META_FILE = "meta.json"
-META_VERSION = 1
+META_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: without checksums
 SPLITS = ("train", "val")
 PREPARE_HINT = "run `moeforge prepare` (or `moeforge train`, which prepares the data on first use)"
 
@@ -33,7 +39,7 @@ class DataMeta:
     """A prepared data directory: token memmaps ``train.bin``/``val.bin`` plus their description.
 
     ``data_dir`` is where the directory was found; it is not stored, so a
-    prepared directory can move.
+    prepared directory can move. ``checksums`` is None in a version 1 directory.
     """
 
     tokenizer: str
@@ -47,6 +53,7 @@ class DataMeta:
     split_seed: int
     train: SplitStats
     val: SplitStats
+    checksums: Checksums | None = None
     version: int = META_VERSION
     data_dir: Path = field(default=Path("."), compare=False)
 
@@ -75,6 +82,8 @@ class DataMeta:
         """Plain JSON-able dict (without ``data_dir``)."""
         d = asdict(self)
         d.pop("data_dir")
+        if d["checksums"] is None:
+            d.pop("checksums")
         return d
 
     @classmethod
@@ -83,6 +92,8 @@ class DataMeta:
         d = dict(d)
         for name in SPLITS:
             d[name] = SplitStats(**d[name])
+        if d.get("checksums") is not None:
+            d["checksums"] = Checksums.from_dict(d["checksums"])
         return cls(**d, data_dir=data_dir)
 
 
@@ -95,6 +106,11 @@ def _check_numbers(meta: DataMeta) -> None:
     for k, v in numbers.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{k} must be a non-negative integer, got {v!r}")
+    if meta.checksums is not None:
+        files = {f"{name}.bin": meta.split(name).tokens * meta.np_dtype.itemsize for name in SPLITS}
+        recorded = {k: f.bytes for k, f in meta.checksums.files.items()}
+        if recorded != files:
+            raise ValueError(f"checksums cover {recorded}, but the token files are {files} bytes")
 
 
 def write_meta(meta: DataMeta) -> Path:
@@ -123,9 +139,9 @@ def load_meta(data_dir: str | Path) -> DataMeta:
         _check_numbers(meta)
     except (ValueError, TypeError, KeyError) as e:
         raise DataError(f"{path}: corrupt ({e}); delete {data_dir} and {PREPARE_HINT}") from None
-    if meta.version != META_VERSION:
+    if meta.version not in READABLE_VERSIONS:
         raise DataError(
-            f"{path}: format version {meta.version}, this moeforge reads {META_VERSION}; "
+            f"{path}: format version {meta.version}, this moeforge reads {', '.join(map(str, READABLE_VERSIONS))}; "
             f"delete {data_dir} and {PREPARE_HINT}"
         )
     for name in SPLITS:

@@ -5,7 +5,8 @@ Output in ``cfg.data_dir``::
     tokenizer.json   the tokenizer (trained byte-level BPE, or a copy of the user's)
     train.bin        token ids of the training documents, EOS after each, uint16 or uint32
     val.bin          the same for the validation documents
-    meta.json        written last: its presence means the directory is complete
+    meta.json        written last: its presence means the directory is complete; holds the counts and a
+                     CRC-32 of each token file and of each 4 MiB chunk (:mod:`moeforge.data.checksums`)
 
 Preparation is idempotent (a directory whose ``meta.json`` matches the sources
 and settings is reused without work), never overwrites data it did not make
@@ -29,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from moeforge.config import DataConfig
+from moeforge.data import checksums
+from moeforge.data.checksums import Checksums, ChunkHasher, FileChecksum
 from moeforge.data.corpus import (
     DataError,
     Document,
@@ -96,7 +99,7 @@ def _reusable(data_dir: Path, provenance: dict[str, Any], overwrite: bool) -> Da
     A directory is built when it is missing or empty, reused when its ``meta.json``
     records these sources and settings, and rebuilt only when moeforge made it from
     the same source files and settings (their contents changed, or a prepare was
-    killed half-way). Anything else is refused unless ``overwrite``.
+    killed half-way). Anything else is refused; ``overwrite`` rebuilds any directory.
     """
     if data_dir.is_symlink() and not data_dir.exists():
         raise DataError(
@@ -107,6 +110,9 @@ def _reusable(data_dir: Path, provenance: dict[str, Any], overwrite: bool) -> Da
         return None
     if not data_dir.is_dir():
         raise DataError(f"data.data_dir: {data_dir} is a file, not a directory; choose another data.data_dir")
+    if overwrite:  # even data of the same sources and settings: the way to mend corrupt token files
+        logger.info("overwriting %s as asked", data_dir)
+        return None
     found = _recorded(data_dir)
     if found is not None and all(found[k] == provenance[k] for k in _PROVENANCE_KEYS[1:]):  # wherever files lie
         try:
@@ -114,9 +120,6 @@ def _reusable(data_dir: Path, provenance: dict[str, Any], overwrite: bool) -> Da
         except DataError as e:
             logger.info("preparing again: %s", e)
             return None
-    if overwrite:
-        logger.info("overwriting %s as asked", data_dir)
-        return None
     if found is None:
         raise DataError(
             f"data.data_dir: {data_dir} is not empty and holds no data prepared by moeforge; choose an empty or "
@@ -136,10 +139,13 @@ def _reusable(data_dir: Path, provenance: dict[str, Any], overwrite: bool) -> Da
     )
 
 
-def _write_split(docs: Sequence[Document], tokenizer: Tokenizer, dtype: np.dtype, path: Path) -> SplitStats:
-    """Encode ``docs`` into the flat memmap file ``path`` (EOS after each); return its counts."""
+def _write_split(
+    docs: Sequence[Document], tokenizer: Tokenizer, dtype: np.dtype, path: Path
+) -> tuple[SplitStats, FileChecksum]:
+    """Encode ``docs`` into the flat memmap file ``path`` (EOS after each); return its counts and checksums."""
     vocab, eos = tokenizer.vocab_size, tokenizer.eos_id
     n_tokens = n_bytes = 0
+    hasher = ChunkHasher(checksums.CHUNK_BYTES)  # looked up now, so that tests can shrink the chunks
     with path.open("wb") as f:
         for start in range(0, len(docs), _ENCODE_CHUNK):
             chunk = docs[start : start + _ENCODE_CHUNK]
@@ -151,11 +157,12 @@ def _write_split(docs: Sequence[Document], tokenizer: Tokenizer, dtype: np.dtype
                         f">= its vocab size {vocab} (its ids are not contiguous); "
                         "use a tokenizer whose ids run from 0 to vocab size - 1"
                     )
-                arr = np.append(arr, eos).astype(dtype)
-                f.write(arr.tobytes())
-                n_tokens += arr.size
+                data = np.append(arr, eos).astype(dtype).tobytes()
+                f.write(data)
+                hasher.update(data)
+                n_tokens += arr.size + 1
                 n_bytes += len(doc.text.encode("utf-8"))
-    return SplitStats(documents=len(docs), tokens=n_tokens, bytes=n_bytes)
+    return SplitStats(documents=len(docs), tokens=n_tokens, bytes=n_bytes), hasher.finish()
 
 
 def _load_tokenizer(cfg: DataConfig, train_docs: Sequence[Document]) -> Tokenizer:
@@ -211,6 +218,7 @@ def prepare_data(cfg: DataConfig, overwrite: bool = False) -> DataMeta:
     val_set = set(split_documents(len(docs), cfg.val_fraction))
     train_docs = [d for i, d in enumerate(docs) if i not in val_set]
     val_docs = [d for i, d in enumerate(docs) if i in val_set]
+    split_docs = {"train": train_docs, "val": val_docs}
     tokenizer = _load_tokenizer(cfg, train_docs)
     dtype = token_dtype(tokenizer.vocab_size)
 
@@ -222,10 +230,7 @@ def prepare_data(cfg: DataConfig, overwrite: bool = False) -> DataMeta:
     temps = {name: path.with_name(path.name + suffix) for name, path in outputs.items()}
     tok_tmp = data_dir / (TOKENIZER_FILE + suffix)
     try:
-        stats = {
-            "train": _write_split(train_docs, tokenizer, dtype, temps["train"]),
-            "val": _write_split(val_docs, tokenizer, dtype, temps["val"]),
-        }
+        written = {name: _write_split(d, tokenizer, dtype, temps[name]) for name, d in split_docs.items()}
         if cfg.tokenizer:
             shutil.copyfile(cfg.tokenizer, tok_tmp)
         else:
@@ -247,8 +252,13 @@ def prepare_data(cfg: DataConfig, overwrite: bool = False) -> DataMeta:
         sources_fingerprint=fingerprint,
         val_fraction=cfg.val_fraction,
         split_seed=SPLIT_SEED,
-        train=stats["train"],
-        val=stats["val"],
+        train=written["train"][0],
+        val=written["val"][0],
+        checksums=Checksums(
+            checksums.ALGORITHM,
+            checksums.CHUNK_BYTES,
+            {outputs[name].name: sums for name, (_, sums) in written.items()},
+        ),
         data_dir=data_dir,
     )
     write_meta(meta)

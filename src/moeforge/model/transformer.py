@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -105,6 +106,19 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         """The MoE feed-forward modules, in layer order."""
         return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    @contextlib.contextmanager
+    def routing_streams_kept(self) -> Iterator[None]:
+        """Forwards inside leave the random-routing generators as they found them: evaluation and sampling
+        draw routes without moving training's stream, so a run that evaluated at some step (its last, say)
+        resumes into the same routes as one that did not."""
+        routers = [m.router for m in self.moe_layers() if m.router.cfg.random_routing]
+        states = [r.generator_state() for r in routers]
+        try:
+            yield
+        finally:
+            for router, state in zip(routers, states):
+                router.set_generator_state(state)
 
     @torch.no_grad()
     def post_batch(self, expert_counts: Tensor) -> None:

@@ -1,4 +1,5 @@
-"""Make sure the run's token data exists and fits its tokenizer: rank 0 checks, every rank learns the outcome."""
+"""Make sure the run's token data exists, fits its tokenizer and matches its checksums: rank 0 checks, every rank
+learns the outcome."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 
 from moeforge.config import Config
 from moeforge.data import DataError, DataMeta, load_meta, prepare_data
+from moeforge.data.checksums import verify_data
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.train.collective import rank0_decides
 
@@ -33,11 +35,16 @@ def check_token_ids(meta: DataMeta) -> None:
 
 
 def _prepare_and_check(cfg: Config) -> None:
-    check_token_ids(prepare_data(cfg.data))
+    meta = prepare_data(cfg.data)
+    check_token_ids(meta)
+    # ids inside the vocabulary can still be corrupt; large data is sampled (seeded by the run) to stay cheap
+    verify_data(meta.data_dir, meta.checksums, seed=cfg.train.seed)
 
 
 def ensure_data(cfg: Config, mesh: MoEMesh | None = None) -> DataMeta:
-    """Prepare ``cfg.data`` on rank 0 (idempotent) and check its token ids, then load its metadata on every rank.
+    """Prepare ``cfg.data`` on rank 0 (idempotent), check its ids and checksums, then load its metadata everywhere.
+
+    What the checksum check covers: :func:`moeforge.data.checksums.verify_data`.
 
     A failure on rank 0 stops every rank with the same exit code (see :func:`rank0_decides`).
     """

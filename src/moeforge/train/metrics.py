@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
-
 
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -32,11 +30,44 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _step(line: str) -> int:
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """The record of one ``metrics.jsonl`` line, or None when it is not a JSON object (torn or garbage)."""
     try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError, TypeError):
+        record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _step(record: dict[str, Any]) -> int:
+    try:
+        return int(record.get("step", 0))
+    except (ValueError, TypeError):
         return 0
+
+
+def _scan(path: Path) -> tuple[list[tuple[bytes, dict[str, Any]]], list[int]]:
+    """``([(line, record), ...], bad)``: the readable lines of ``path`` and the (1-based) numbers of the others.
+
+    Lines are split on ``\\n`` only; blank lines are neither. A killed run can leave a torn last
+    line and a damaged disk garbage anywhere: those are the ``bad`` ones.
+    """
+    good: list[tuple[bytes, dict[str, Any]]] = []
+    bad: list[int] = []
+    for number, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        record = _parse(line)
+        if record is None:
+            bad.append(number)
+        else:
+            good.append((line, record))
+    return good, bad
+
+
+def _line_numbers(numbers: list[int], limit: int = 20) -> str:
+    shown = ", ".join(str(n) for n in numbers[:limit])
+    return shown + (f" and {len(numbers) - limit} more" if len(numbers) > limit else "")
 
 
 class MetricsWriter:
@@ -62,17 +93,24 @@ class MetricsWriter:
         return cls(run_dir, enabled, build_loggers(cfg, run_dir, enabled))
 
     def truncate_after(self, step: int) -> int:
-        """Drop the records of steps after ``step`` (trained again after a resume); returns how many."""
+        """Drop the records of steps after ``step`` (trained again after a resume); returns how many.
+
+        Unreadable lines (a torn last line, garbage) are dropped too when the file is rewritten,
+        with a warning naming them; they are not counted in the result.
+        """
         if not self.enabled or not self.path.exists():
             return 0
-        lines = self.path.read_text().splitlines(keepends=True)
-        keep = [line for line in lines if not line.strip() or _step(line) <= step]
-        dropped = len(lines) - len(keep)
-        if dropped:
+        good, bad = _scan(self.path)
+        keep = [line for line, record in good if _step(record) <= step]
+        dropped = len(good) - len(keep)
+        if dropped or bad:
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(keep))
+            tmp.write_bytes(b"".join(line + b"\n" for line in keep))
             os.replace(tmp, self.path)
+        if dropped:
             log.info("metrics.jsonl: dropped %d records after step %d (they are trained again)", dropped, step)
+        if bad:
+            log.warning("%s: removed unreadable lines %s", self.path, _line_numbers(bad))
         return dropped
 
     def write(self, record: dict[str, Any]) -> None:
@@ -84,8 +122,7 @@ class MetricsWriter:
             self._write_env()
         if self._jsonl_ok:
             try:
-                with self.path.open("a") as f:
-                    f.write(json.dumps(_clean(record)) + "\n")
+                self._append((json.dumps(_clean(record)) + "\n").encode("utf-8"))
             except OSError as e:
                 self._jsonl_ok = False
                 log.warning("cannot write %s (%s); metrics go to the console and trackers only", self.path, e)
@@ -96,6 +133,16 @@ class MetricsWriter:
             except Exception as e:  # a tracker must never stop training
                 self.loggers.remove(logger)
                 log.warning("%s logger disabled after a failed write: %s", logger.name, e)
+
+    def _append(self, line: bytes) -> None:
+        """Append one whole line in one write, on a line of its own even after a torn last line."""
+        with self.path.open("a+b") as f:
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":  # a crash left half a record: do not glue this one to it
+                    line = b"\n" + line
+            f.write(line)
+            f.flush()
 
     def _write_env(self) -> None:
         from moeforge.train.environment import collect_env
@@ -118,11 +165,18 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl (empty list if none)."""
+    """All records of a run's metrics.jsonl (empty list if none).
+
+    Lines that are not a JSON object (a torn last line of a killed run, garbage) are skipped,
+    with one warning naming their line numbers.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    good, bad = _scan(path)
+    if bad:
+        log.warning("%s: skipped unreadable lines %s", path, _line_numbers(bad))
+    return [record for _, record in good]
 
 
 def step_summary(record: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from moeforge.config import Config, ConfigError, save_config
 from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, eval_batches
+from moeforge.errors import PreemptedError
 from moeforge.model import MoETransformer, build_model
 from moeforge.model.kernels import KernelChoice, apply_kernels, select_kernels
 from moeforge.optim.schedule import lr_at
@@ -34,11 +36,13 @@ from moeforge.train.checkpoint.manager import CheckpointManager
 from moeforge.train.checkpoint.store import checkpoints_dir, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
+from moeforge.train.fit_check import check_fit
 from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 from moeforge.train.memory_record import gather_memory, write_memory_json
 from moeforge.train.metrics import MetricsWriter, read_metrics
 from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
 from moeforge.train.run_lock import RunLock, acquire_run_lock
+from moeforge.train.signals import SIGNALS, StopRequest
 from moeforge.train.step_guard import TrainingError, guarded_step, streak_message
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,7 @@ class StepResult:
     load: Tensor  # (moe_layers, packed width): moeforge.train.balance's vectors, summed over micro-batches and ranks
     load_sources: int  # forwards summed into ``load`` (micro-batches x ranks)
     extra: dict[str, Any] = field(default_factory=dict)  # the balance metrics of ``load``
+    stop: int = 0  # the stop signal some rank caught (moeforge.train.signals): save this step, then exit
 
 
 class Trainer:
@@ -65,11 +70,13 @@ class Trainer:
     def __init__(self, cfg: Config, callbacks: Sequence[Callback] = ()) -> None:
         self.cfg = cfg
         self.callbacks: list[Callback] = [ProgressCallback(), *callbacks]
+        self.stop_request = StopRequest()  # its handlers are installed while fit() runs
         self.device = pick_device()
         self.mesh: MoEMesh = init_distributed(cfg, self.device)
         self.rank = self.mesh.rank
         self.is_main = self.rank == 0
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.local_world = local_world  # ranks sharing this host (and its RAM, on the CPU)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         self.run_dir = Path(cfg.train.run_dir)
@@ -90,6 +97,8 @@ class Trainer:
                 f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
                 f"{self.meta.vocab_size}; set it to 0 to take the tokenizer's"
             )
+        # train.memory_check: one line and exit 2 for a model that cannot fit, before it is allocated
+        check_fit(cfg, self.mesh.world_size, self.device, self.local_world, report=self.is_main)
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
         # kernels and numerics by fixed rules from the config and the device kind, never by a timing
@@ -182,11 +191,14 @@ class Trainer:
         stack.finish_grad_sync()
         grad_norm = stack.clip_grad_norm_(cfg.optim.grad_clip)
         # The step's one collective: losses and every layer's load, summed over all ranks (all stages).
-        packed = all_reduce_sum(torch.cat([sums, load_rows.reshape(-1)]), mesh.world_group)
+        # A caught stop signal rides on it too, so every rank stops after the same step.
+        stop = torch.tensor([float(self.stop_request.signum == s) for s in SIGNALS], device=sums.device)
+        packed = all_reduce_sum(torch.cat([sums, stop, load_rows.reshape(-1)]), mesh.world_group)
         values = packed.cpu()
         # tp ranks hold the same loss; cp ranks the means of their chunks (equally many tokens)
         loss, lm, aux, z = (values[:4] / (mesh.dp_cp * mesh.tp)).tolist()
-        loads = values[4:].view(load_rows.shape)
+        caught = [s for s, n in zip(SIGNALS, values[4 : 4 + len(SIGNALS)].tolist()) if n > 0]
+        loads = values[4 + len(SIGNALS) :].view(load_rows.shape)
         # non-finite loss, gradient or update: skipped (the first two are already global values)
         finite = guarded_step(stack, model, mesh, float(grad_norm), loss)
         if self.memory is None:  # the first step: gradients and optimizer state exist now, before zero_grad
@@ -200,7 +212,9 @@ class Trainer:
             model.post_batch(loads[rows, :num_experts].to(self.device))
         n_sources = n_micro * mesh.dp_cp * mesh.tp  # forwards of each layer: micro-batches x dp x cp x tp slices
         balance = per_layer_metrics(loads, num_experts, mesh.ep, n_sources) if len(loads) else {}
-        return StepResult(loss, lm, aux, z, float(grad_norm), not finite, loads, n_sources, balance)
+        return StepResult(
+            loss, lm, aux, z, float(grad_norm), not finite, loads, n_sources, balance, caught[0] if caught else 0
+        )
 
     def run_step(self, micro_batches: list[Tensor]) -> StepResult:
         """One optimizer step at the current step's learning rate; advances the step and token counters.
@@ -223,6 +237,10 @@ class Trainer:
         The eval batch is ``train.micro_batch_size`` sequences in all, split over the
         data-parallel ranks, so every layout scores the same validation windows.
         """
+        with self.model.routing_streams_kept():  # evaluation does not move random routing's training draws
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         self.model.eval()
         batches = eval_batches(
             self.val_data, self.cfg.train.micro_batch_size, self.cfg.train.eval_batches, self.mesh.dp_rank, self.mesh.dp
@@ -290,7 +308,8 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to ``train.max_steps``; returns the last step and validation metrics. Releases the lock."""
         try:
-            result = self._fit()
+            with self.stop_request:
+                result = self._fit()
         except BaseException:
             self.close(failed=True)
             raise
@@ -339,6 +358,8 @@ class Trainer:
             last = record
             for cb in self.callbacks:
                 cb.post_step(self, record)
+            if result.stop:
+                self._stop_after_saving(signal.Signals(result.stop).name)
             if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or is_last or self.save_deferred:
                 self.save_when_healthy()
         self.checkpointer.wait()
@@ -346,6 +367,17 @@ class Trainer:
         for cb in self.callbacks:
             cb.post_train(self)
         return last or self.finished_record()
+
+    def _stop_after_saving(self, signame: str) -> None:
+        """A stop signal reached every rank at this step: checkpoint it (waited for), then raise
+        :class:`~moeforge.errors.PreemptedError`; ``fit`` releases the run lock on the way out."""
+        path = self.save()
+        self.checkpointer.wait()
+        self.metrics.close()
+        raise PreemptedError(
+            f"stopped by {signame} after step {self.step}: checkpoint {path.name} saved; "
+            "the same command resumes from it"
+        )
 
     def save_when_healthy(self) -> None:
         """Save now, or, during a non-finite streak, at the first healthy step (the last good checkpoint stays)."""
@@ -379,6 +411,6 @@ class Trainer:
             self.checkpointer.wait()
             barrier(self.mesh)
             model = load_run_model(self.run_dir).to(self.device)
-        with self.autocast(), without_context_parallel(model):  # every rank feeds the whole sequence
+        with self.autocast(), without_context_parallel(model), model.routing_streams_kept():  # the whole sequence
             out = generate(model, ids, max_new_tokens, seed=self.cfg.train.seed)
         return tok.decode(out[0].tolist())

@@ -137,7 +137,7 @@ def without_record_crc32() -> Iterator[None]:
     """Let ``torch.save`` skip the CRC32 of each zip record it writes (DCP saves every tensor with it).
 
     Computing those checksums is a third of DCP's write on a CPU without a
-    fast CRC (docs/benchmarks.md), and they protect nothing the manifest does
+    fast CRC (benchmarks/2026-12-06-checkpoints.md), and they protect nothing the manifest does
     not: its CRC32 covers every byte of every file, and resuming checks it.
     ``torch.load`` reads the records without them. The setting is process-wide
     (torch has no per-call switch): a ``torch.save`` elsewhere in the process
@@ -239,7 +239,29 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {f} is unreadable ({type(e).__name__}: {e})") from e
     if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"checkpoint file {f}: not a {FORMAT} manifest (written by another version?)")
+    for name in manifest["files"]:
+        problem = _outside(path, name)
+        if problem:
+            raise CheckpointError(f"checkpoint file {f} is corrupt: its entry {name!r} {problem}; refusing to read it")
     return manifest
+
+
+def _outside(path: Path, name: Any) -> str:
+    """Why the file entry ``name`` of checkpoint ``path`` is not a plain file of it ('' when it is).
+
+    Checked before anything is looked up, so a tampered manifest never makes moeforge stat or read
+    a file outside the checkpoint (``../../etc/passwd``, an absolute path, a symlink pointing out).
+    """
+    if not isinstance(name, str) or name in ("", "."):
+        return "is not a file name"
+    if Path(name).is_absolute():
+        return "is an absolute path, outside the checkpoint directory"
+    if ".." in Path(name).parts:
+        return "contains '..' and may name a file outside the checkpoint directory"
+    root = path.resolve()
+    if not (path / name).resolve().is_relative_to(root):
+        return f"resolves to {(path / name).resolve()}, outside the checkpoint directory"
+    return ""
 
 
 def verify_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
@@ -318,6 +340,11 @@ def read_metadata(path: Path) -> Metadata:
     pickled = [k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
     if pickled:
         raise CheckpointError(f"checkpoint file {f}: items {pickled[:4]} are pickled objects; refusing to load")
+    storage = getattr(meta, "storage_data", None) or {}
+    for name in sorted({getattr(info, "relative_path", "") for info in storage.values()}):
+        problem = _outside(path, name)
+        if problem:
+            raise CheckpointError(f"checkpoint file {f} is corrupt: its data file {name!r} {problem}")
     return meta
 
 
