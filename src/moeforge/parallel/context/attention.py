@@ -5,15 +5,12 @@ hooks the model offers (the model itself knows nothing of ranks):
 
 * ``MoETransformer.positions_fn``: RoPE uses each token's global position
   (:func:`moeforge.parallel.context.chunks.chunk_positions`, the load-balanced layout).
-* ``Attention.attention_fn``: keys and values are all-gathered over the cp
-  group (an autograd function: their gradients are reduce-scattered back in
-  backward), and the local queries attend to all of them under the causal
-  mask of the global positions. This is the simple exact scheme (the memory
-  of a full-length K/V per rank, the ``T/cp x T`` score matrix); a ring
-  would overlap the exchange with compute. torch's
-  ``torch.distributed.tensor.experimental.context_parallel`` is not used: it
-  patches the SDPA kernels of CUDA/flash backends and needs a sequence-sharded
-  DTensor buffer layout; see docs/context_parallel.md.
+* ``Attention.attention_fn``: ring attention (:mod:`moeforge.parallel.context.ring`). Keys and values
+  travel around the cp group while each rank computes only the score blocks of its chunks that the causal
+  mask leaves, merged with an online softmax; the backward sends them round again with their gradient
+  sums. Every rank computes ``1/cp`` of the causal attention and holds only its own tokens' K/V. torch's
+  ``torch.distributed.tensor.experimental.context_parallel`` is not used: it patches the SDPA kernels of
+  CUDA backends and needs a sequence-sharded DTensor buffer layout; see docs/context_parallel.md.
 * ``TopKRouter.reduce_counts``: the aux loss's route fractions are summed
   over the cp group, so the mean of the ranks' aux losses equals the aux loss
   of whole sequences (the mean routing probabilities stay local: every rank
@@ -26,56 +23,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from moeforge.model.attention import Attention, AttentionFn
 from moeforge.model.transformer import MoETransformer
 from moeforge.parallel.context.chunks import chunk_positions
-from moeforge.parallel.data_parallel.buckets import all_gather_single, reduce_scatter_single
+from moeforge.parallel.context.ring import ring_attention
 from moeforge.parallel.mesh import MoEMesh
 
 
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along dim 0 over ``group``; backward reduce-scatters (sums) each rank's slice back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup, world: int) -> Tensor:
-        ctx.group, ctx.world = group, world
-        x = x.contiguous()
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        all_gather_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        grad = grad.contiguous()
-        out = grad.new_empty((grad.shape[0] // ctx.world, *grad.shape[1:]))
-        reduce_scatter_single(out, grad, group=ctx.group)
-        return out, None, None
-
-
-def gather_sequence(x: Tensor, group: dist.ProcessGroup, cp: int) -> Tensor:
-    """``x: (B, H, T, hd)`` of every cp rank, concatenated in rank order along dim 2: ``(B, H, cp * T, hd)``."""
-    B, H, T, hd = x.shape
-    gathered = _GatherSeq.apply(x, group, cp)  # (cp * B, H, T, hd)
-    return gathered.view(cp, B, H, T, hd).permute(1, 2, 0, 3, 4).reshape(B, H, cp * T, hd)
-
-
 def context_parallel_attention(group: dist.ProcessGroup, cp: int, cp_rank: int) -> AttentionFn:
-    """The attention core of one cp rank: local queries against every rank's keys and values, causal by position."""
+    """The attention core of one cp rank: ring attention of its chunks over the cp group, causal by position."""
 
     def attend(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> Tensor:
-        seq = q.shape[2] * cp
-        q_pos = chunk_positions(seq, cp, cp_rank, q.device)
-        k_pos = torch.cat([chunk_positions(seq, cp, r, q.device) for r in range(cp)])
-        mask = q_pos[:, None] >= k_pos[None, :]  # (T/cp, T): True where the query may attend
-        k_all, v_all = gather_sequence(k, group, cp), gather_sequence(v, group, cp)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=enable_gqa)
+        # both block kernels take fewer kv heads than query heads as they are, so enable_gqa needs no action
+        return ring_attention(q, k, v, group, cp, cp_rank)
 
     return attend
 
@@ -87,6 +52,7 @@ def parallelize_context(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
     group, cp, cp_rank = mesh.cp_group, mesh.cp, mesh.cp_rank
     if group is None:
         raise ValueError(f"parallel.cp = {cp} needs an initialised mesh (build_mesh after init_process_group)")
+    assert dist.get_rank(group) == cp_rank, "the ring's neighbours are found by cp rank: build_mesh orders the group so"
 
     def positions(T: int, device: torch.device) -> Tensor:
         return chunk_positions(T * cp, cp, cp_rank, device)
