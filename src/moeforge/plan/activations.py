@@ -41,6 +41,12 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
       weight's fp32 gradient (``4 V d`` bytes) instead; ``auto`` is planned as on a GPU, where it means
       the logits.
 
+    Under context parallelism (``parallel.cp > 1``) ``tokens`` are this rank's ``seq / cp`` of every sequence
+    and ring attention saves what SDPA saves of them (no other rank's keys); one layer at a time its backward
+    holds, per local token, the own and the arriving K/V (``2 * 2 Hkv hd`` elements) and three fp32 K/V
+    gradient sums (its own, the travelling one, the arriving one: ``3 * 2 Hkv hd * 4`` bytes) and the fp32
+    query gradient (``4 H hd`` bytes), counted once in ``full`` and ``checkpointed``.
+
     With checkpointing each block keeps only its input (``d``) and one block at a time
     is recomputed during backward, so the peak is the inputs plus the largest block
     (``checkpointed``); what stays saved at the end of the forward is the inputs and
@@ -64,7 +70,6 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     qk = m.qk_norm != "none"
     per_head = (12 if qk else 8) if a == 4 else (7 if qk else 5)
     attn = a * 2 * d * s + g + per_head * (h + kv) * hd * s
-    attn += a * 2 * kv * hd * (cp - 1)  # cp: the gathered K and V of the whole sequence
     if m.attention_implementation == "eager":  # planned when set; auto is planned as on a GPU (SDPA)
         # P (its causal spans' rows x keys per head and sequence) in place of SDPA's fp32 log-sum-exp
         seq = cfg.data.seq_len
@@ -83,6 +88,9 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     per_layer_max = attn + (moe_ffn if n_moe else dense_ffn)
     full = tokens * (n_moe * (attn + moe_ffn) + n_dense * (attn + dense_ffn) + head)
     checkpointed = tokens * (m.n_layers * a * d * s + per_layer_max + head)
+    if cp > 1:  # ring attention's buffers in one layer's backward (its peak); the layers saved only their own K/V
+        ring = 2 * 2 * kv * hd * a + 3 * 2 * kv * hd * 4 + 4 * h * hd
+        full, checkpointed = full + tokens * ring, checkpointed + tokens * ring
     saved_full = tokens * (m.n_layers * a * d * s + head)
     if fused:  # the head weight's fp32 gradient, summed over the chunks in the loss's forward
         full, checkpointed, saved_full = (x + 4 * m.vocab_size * d for x in (full, checkpointed, saved_full))

@@ -28,8 +28,9 @@ fp32 master 4 in bf16 only + two fp32 Adam moments 8):
 - cp (``parallel.cp``, ddp only): each rank holds ``seq / cp`` tokens of every
   sequence, so activations and all-to-all rows shrink by cp, dp (batches) is
   ``world / cp`` while the dense state stays sharded over all ``world`` ranks;
-  attention keeps the all-gathered full-length K and V per layer, and each
-  layer all-gathers K/V forward and reduce-scatters their gradients backward.
+  ring attention keeps only the rank's own K/V; per layer the K/V of the
+  rank's tokens move ``cp - 1`` hops forward and again backward, together with
+  their fp32 gradient sums (``cp - 1`` hops, the last one home).
 
 Collective volumes are what one rank sends with ring/pairwise algorithms:
 all-gather and reduce-scatter ``(g-1)/g * S``, all-to-all ``(g-1)/g`` of the
@@ -130,8 +131,9 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
             comm[key] = _gather(split / tp * b, data) + _gather(rep * b, world) + _gather(expert / ep * b, edp)
         a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
         tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
-        kv_full = cp * tokens * 2 * cfg.model.kv_heads * cfg.model.dim_head * a  # K and V of whole sequences
-        comm["context"] = ga * cfg.model.n_layers * 2 * _gather(kv_full, cp)  # gather forward, scatter backward
+        kv_local = tokens * 2 * cfg.model.kv_heads * cfg.model.dim_head  # elements of this rank's K and V
+        # ring attention: K/V go round forward and backward, their fp32 gradient sums round in backward
+        comm["context"] = ga * cfg.model.n_layers * (cp - 1) * kv_local * (2 * a + 4)
         moe = cfg.model.moe
         rows = tokens / tp * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
         comm["all_to_all"] = ga * stats["moe_layers"] * 4 * _gather(rows, ep)

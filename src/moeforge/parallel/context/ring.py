@@ -18,18 +18,21 @@ discarding it. No block carries a mask: the diagonal ones are ``is_causal`` kern
 
 The partial results of a query row are merged with an online softmax in fp32: each block returns its output
 and the log-sum-exp of its scores, and ``out = sum_b exp(lse_b - lse) out_b`` with ``lse = logsumexp_b
-lse_b``. The backward travels the ring again with a hand-written gradient: each rank saves only its own
-q, k, v, the merged output and its log-sum-exp; the keys and values go round once more, and with them
-fp32 sums of their gradients, which every rank adds its blocks' share to and which arrive back at their
-owner after the last step. A block's gradient under the merged softmax is the kernel's own backward given
-the merged output and log-sum-exp (the probabilities of the whole row are ``exp(scores - lse)``, and the
-softmax's row term ``sum(dout * out)`` is that of the merged output). Memory per rank: its ``2 c`` tokens'
-q, k, v, output and log-sum-exp, plus the travelling buffers of one layer at a time (no full-length K/V).
+lse_b``. Each step's transfer runs while the step computes.
+
+The backward is written by hand and travels the ring again. A block's gradient under the merged softmax is
+the kernel's own backward given the merged output and log-sum-exp: the row's probabilities are
+``exp(scores - lse)`` and the softmax's row term ``sum(dout * out)`` is that of the merged output. The keys
+and values go round once more; from the second step on an fp32 sum of their gradient travels with them, to
+which every rank adds its blocks' share, and after the last step it arrives at their owner, which kept its
+own share at home. Memory per rank: its ``2 c`` tokens' q, k, v, output and log-sum-exp saved for backward,
+plus the travelling buffers of one layer at a time; no rank holds a full-length K/V or a ``T/cp x T`` mask.
 
 Block kernels (:data:`KERNELS`): ``flash``, torch's fused CPU flash-attention kernel (the one
-``F.scaled_dot_product_attention`` runs on the CPU; it returns the log-sum-exp and skips the masked tiles of
-a causal block), and ``math``, the same block written with fp32 matmuls (any device: torch's fused
-kernels for other devices are reached through private ops with device-specific arguments, not used here).
+``F.scaled_dot_product_attention`` runs on the CPU; it returns the log-sum-exp, and in a causal block each
+query tile stops at the diagonal), and ``math``, the same block in fp32 matmuls on any device (a causal
+block masks its ``c x c`` upper triangle). torch's fused kernels for other devices are private ops with
+device-specific arguments and are not used here.
 """
 
 from __future__ import annotations
@@ -137,6 +140,21 @@ KERNELS = {
 """Block kernels by name: ``flash`` (CPU only), ``math`` (fp32 matmuls, any device)."""
 
 
+@dataclass
+class _Transfer:
+    """Tensors on their way to the next rank and the previous rank's on their way here."""
+
+    sent: list[Tensor]  # kept referenced until the sends complete
+    received: list[Tensor]
+    works: list[Any]
+
+    def wait(self) -> list[Tensor]:
+        """The received tensors, once every send and receive has completed."""
+        for w in self.works:
+            w.wait()
+        return self.received
+
+
 @dataclass(frozen=True)
 class _Ring:
     """The cp group as a ring: every rank sends to ``rank + 1`` and receives from ``rank - 1``."""
@@ -145,22 +163,15 @@ class _Ring:
     cp: int
     rank: int
 
-    def pass_on(self, tensors: list[Tensor], tag: int) -> Callable[[], list[Tensor]]:
-        """Start sending ``tensors`` on and receiving the previous rank's; the returned call waits for them."""
+    def pass_on(self, tensors: list[Tensor], tag: int) -> _Transfer:
+        """Start sending ``tensors`` on and receiving as many of the previous rank's (with ``cp == 1``: themselves)."""
         if self.cp == 1:
-            return lambda: tensors
+            return _Transfer(tensors, tensors, [])
         received = [torch.empty_like(t) for t in tensors]
         nxt, prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
         ops = [dist.P2POp(dist.isend, t, group=self.group, tag=tag, group_peer=nxt) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, group=self.group, tag=tag, group_peer=prev) for t in received]
-        works = dist.batch_isend_irecv(ops)
-
-        def wait() -> list[Tensor]:
-            for w in works:
-                w.wait()
-            return received
-
-        return wait
+        return _Transfer(tensors, received, dist.batch_isend_irecv(ops))
 
     def source(self, step: int) -> int:
         """The cp rank whose keys and values this rank holds at ring step ``step``."""
@@ -192,7 +203,7 @@ class _RingAttention(torch.autograd.Function):
                 block_out, block_lse = kernel.forward(q[:, :, b.q], kv[0][:, :, b.k], kv[1][:, :, b.k], b.causal)
                 _merge(out, lse, b.q, block_out, block_lse)
             if incoming is not None:
-                kv = incoming()[0]
+                kv = incoming.wait()[0]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.kernel = ring, kernel
@@ -208,9 +219,11 @@ class _RingAttention(torch.autograd.Function):
             dout = dout.to(q.dtype)
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             kv = torch.stack([k, v])
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with kv, summed in fp32
+            home = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this rank's own K/V gradient
+            summed: _Transfer | None = None  # the travelling sum arriving from the previous rank
             for step in range(ring.cp):
                 incoming = ring.pass_on([kv], KV_TAG) if step < ring.cp - 1 else None
+                dkv = home if step == 0 else torch.zeros_like(home)  # this step's share of the held keys' gradient
                 for b in ring_blocks(ring.cp, ring.rank, ring.source(step), chunk):
                     dq_b, dk_b, dv_b = kernel.backward(
                         dout[:, :, b.q],
@@ -224,11 +237,17 @@ class _RingAttention(torch.autograd.Function):
                     dq[:, :, b.q] += dq_b
                     dkv[0][:, :, b.k] += dk_b
                     dkv[1][:, :, b.k] += dv_b
-                # after the last step the sums move one hop more: to the rank whose keys they are
-                dkv = ring.pass_on([dkv], GRAD_TAG)()[0]
+                if step > 0:
+                    # the sum of the ranks before this one (none at step 1: only the owner saw these keys before,
+                    # and it keeps its share at home) moves on with this share while the next step computes
+                    if summed is not None:
+                        dkv += summed.wait()[0]
+                    summed = ring.pass_on([dkv], GRAD_TAG)
                 if incoming is not None:
-                    kv = incoming()[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+                    kv = incoming.wait()[0]
+            if summed is not None:
+                home += summed.wait()[0]  # after the last step the sum of every other rank's share has come home
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None
 
 
 def ring_attention(
