@@ -1,1 +1,1 @@
-"""Context parallelism: load-balanced causal chunks of each sequence, attention kept exact."""
+"""Context parallelism: load-balanced causal chunks of each sequence and exact ring attention over them."""
