@@ -48,7 +48,8 @@ from moeforge.parallel.data_parallel.buckets import BucketEntry, GradBucket, Gra
 from moeforge.parallel.data_parallel.flat_shards import Stage, sharded_flat_tensor, sharded_slab_tensor
 from moeforge.parallel.data_parallel.muon import MatrixExchange, plan_bucket_exchanges
 
-_PIPELINE_DEPTH = 2  # all-gathers (and Muon exchanges) in flight during the weight update
+_PIPELINE_DEPTH = 2  # all-gathers in flight during the weight update
+MUON_IN_FLIGHT = 1  # Muon exchanges waiting at each stage beyond the bucket being worked on
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -91,6 +92,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         splits = {id(p): int(g.get("split", 1)) for g in self.param_groups if g.get("muon") for p in g["params"]}
         self._muon_exchanges: dict[int, MatrixExchange] = plan_bucket_exchanges(reducer.buckets, splits)
         self.orthogonalised: list[str] = []  # labels of the matrices this rank orthogonalised in the last step
+        self.muon_in_flight = MUON_IN_FLIGHT
         self.shard_state: list[dict[str, Tensor]] = []
         for b in reducer.buckets:
             st = {
@@ -177,7 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         The momentum (``exp_avg``) and the Nesterov update stay sharded and elementwise; each bucket's
         updates go to the matrices' owners in one all-to-all, each owner orthogonalises its matrices,
         and a second all-to-all brings every rank the directions of its shard, which it applies to its
-        master shard. Up to ``_PIPELINE_DEPTH`` buckets are in flight at each stage, so one bucket's
+        master shard. Up to ``muon_in_flight`` more buckets wait at each stage, so one bucket's
         iteration overlaps the next ones' transfers. Every rank of a group runs the same exchanges in
         the same order: which buckets hold Muon matrices is the same on all of them.
         """
@@ -193,9 +195,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         for i, ex in self._muon_exchanges.items():
             to_owners.append((i, ex.send(self._nesterov(i, grads[i]))))
-            if len(to_owners) > _PIPELINE_DEPTH:
+            if len(to_owners) > self.muon_in_flight:
                 orthogonalise(*to_owners.popleft())
-            if len(returning) > _PIPELINE_DEPTH:
+            if len(returning) > self.muon_in_flight:
                 self._apply_muon(*returning.popleft())
         while to_owners:
             orthogonalise(*to_owners.popleft())

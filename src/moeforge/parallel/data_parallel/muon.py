@@ -53,10 +53,16 @@ Slices = list[tuple[int, int]]  # (start, length) of each piece of a buffer, in 
 class Matrix:
     """One matrix of the iteration: elements ``[start, start + rows * cols)`` of a flat space, row-major."""
 
-    label: str  # "<parameter fqn>#<index of the matrix in the full parameter>"
+    param: str  # the parameter's FQN
+    index: int  # the matrix's index in the full parameter (all its experts, gate and up halves apart)
     start: int
     rows: int
     cols: int
+
+    @property
+    def label(self) -> str:
+        """``<parameter fqn>#<index>``: the matrix's name, the same on every layout."""
+        return f"{self.param}#{self.index}"
 
     @property
     def numel(self) -> int:
@@ -84,7 +90,7 @@ def parameter_matrices(name: str, start: int, shape: Sequence[int], split: int, 
     """
     rows, cols = shape[-2] // split, shape[-1]
     count = math.prod(shape) // (rows * cols)
-    return [Matrix(f"{name}#{first + k}", start + k * rows * cols, rows, cols) for k in range(count)]
+    return [Matrix(name, first + k, start + k * rows * cols, rows, cols) for k in range(count)]
 
 
 def assign_owners(costs: Sequence[int], holders: Sequence[int | None], size: int) -> list[int]:
@@ -214,16 +220,17 @@ class MatrixExchange:
         by_owned = sorted(zip(recv, recv_pos), key=lambda t: t[0][2])
         self._collect = _identity_or(_coalesce([(q, p[2], p[3]) for p, q in by_owned]), self.owned_numel)
         self._spread = _identity_or(_coalesce([(p[2], q, p[3]) for p, q in zip(recv, recv_pos)]), self.owned_numel)
-        # Consecutive owned matrices of one shape: one batched iteration each.
+        # Consecutive owned matrices of one parameter: one batched iteration each, as on one process; batching
+        # across parameters would grow the iteration's temporaries beyond the largest parameter's.
         self.runs: list[tuple[int, int, int, int, list[str]]] = []  # (owned offset, count, rows, cols, labels)
-        off = 0
+        off, last_param, last_end = 0, None, -1
         for m in self.owned:
             last = self.runs[-1] if self.runs else None
-            if last is not None and (last[2], last[3]) == (m.rows, m.cols):
+            if last is not None and (m.param, m.start) == (last_param, last_end):
                 self.runs[-1] = (last[0], last[1] + 1, m.rows, m.cols, [*last[4], m.label])
             else:
                 self.runs.append((off, 1, m.rows, m.cols, [m.label]))
-            off += m.numel
+            off, last_param, last_end = off + m.numel, m.param, m.end
 
     def _all_to_all(self, inp: Tensor, out_numel: int, out_splits: list[int], in_splits: list[int]) -> tuple:
         if self.group is None or self.size == 1:
