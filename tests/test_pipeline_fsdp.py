@@ -1,9 +1,11 @@
-"""The fsdp stack under pipeline parallelism: pp=2 x dp=2 on 4 ranks equals the single-process run (fp32, 5 steps)."""
+"""The fsdp stack under pipeline parallelism: pp=2 x dp=2 on 4 ranks equals the single-process run (fp32, 5 steps),
+with AdamW and with Muon (each stage's matrices orthogonalised by one of its dp ranks)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from moeforge.testing import run_distributed_test
@@ -22,6 +24,7 @@ COMMON = [
     "--model.moe.bias_update_rate=0.01",
 ]
 LAYOUT = ["--parallel.pp=2", "--parallel.stack=fsdp", "--parallel.pp_schedule=1f1b"]
+OPTIMIZERS = {"adamw": [], "muon": ["--optim.name=muon", "--optim.muon_ns_dtype=fp32"]}  # fp32: equal to round-off
 
 
 def _full(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -31,8 +34,8 @@ def _full(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(root: str) -> None:
-    cfg = tiny_config(Path(root), f"--train.run_dir={Path(root) / 'fsdp'}", *COMMON, *LAYOUT)
+def _train(root: str, optim: str) -> None:
+    cfg = tiny_config(Path(root), f"--train.run_dir={Path(root) / 'fsdp'}", *COMMON, *OPTIMIZERS[optim], *LAYOUT)
     trainer = Trainer(cfg)
     assert trainer.mesh.dp == 2 and trainer.mesh.pp == 2
     trainer.fit()
@@ -45,13 +48,14 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
-def test_fsdp_pp2_dp2_on_four_ranks_matches_single_process(tmp_path: Path) -> None:
-    ref_cfg = tiny_config(tmp_path, f"--train.run_dir={tmp_path / 'ref'}", *COMMON)
+@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
+def test_fsdp_pp2_dp2_on_four_ranks_matches_single_process(tmp_path: Path, optim: str) -> None:
+    ref_cfg = tiny_config(tmp_path, f"--train.run_dir={tmp_path / 'ref'}", *COMMON, *OPTIMIZERS[optim])
     ref_trainer = Trainer(ref_cfg)
     ref_trainer.fit()
     ref_params = _full(ref_trainer)
     ref = read_metrics(ref_cfg.train.run_dir)
-    run_distributed_test(_train, 4, args=(str(tmp_path),))
+    run_distributed_test(_train, 4, args=(str(tmp_path), optim))
     got = read_metrics(tmp_path / "fsdp")
     assert len(got) == STEPS
     for a, b in zip(ref, got):

@@ -241,10 +241,10 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         validate_layout(cfg, world_size)
     if cfg.optim.name == "muon":
         _check(
-            cfg.parallel.stack == "ddp" and cfg.parallel.tp == 1,
+            cfg.parallel.tp == 1,
             "optim.name",
-            "muon orthogonalises whole matrices: it runs on the ddp stack (or one process) without tensor "
-            f"parallelism (got parallel.stack={cfg.parallel.stack!r}, tp={cfg.parallel.tp}); use optim.name=adamw",
+            f"muon orthogonalises whole matrices, which tensor parallelism splits over the tp ranks (got "
+            f"parallel.tp={cfg.parallel.tp}); use parallel.tp=1 (ddp or fsdp stack) or optim.name=adamw",
         )
 
 

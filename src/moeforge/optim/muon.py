@@ -11,8 +11,10 @@ update (the Moonlight recipe): AdamW's learning rate and weight decay carry over
 
 The state uses AdamW's checkpoint keys: a Muon matrix's momentum buffer is its ``exp_avg`` and its
 ``exp_avg_sq`` stays zero, so the checkpoint format, resharding and resume do not change.
-:class:`MuonAdamW` is the one-process optimizer; the distributed optimizer applies the same
-update to its shards (:mod:`moeforge.parallel.data_parallel.distributed_optimizer`).
+:class:`MuonAdamW` is the one-process optimizer. The sharded optimizers apply the same update with
+each matrix orthogonalised by one rank of the group that shares it (:mod:`moeforge.parallel.data_parallel.muon`:
+the ddp stack's distributed optimizer and the fsdp stack's :class:`ShardedMuonAdamW`, which overrides
+:meth:`MuonAdamW._muon_update`).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("MuonAdamW.step: closures are not supported")
+        muon: list[tuple[dict[str, Any], Tensor, dict[str, Tensor]]] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -128,16 +131,8 @@ class MuonAdamW(torch.optim.Optimizer):
             states = [self._state(p) for p in params]
             for st in states:
                 st["step"] += 1
-            lr, wd = float(group["lr"]), float(group["weight_decay"])
             if group["muon"]:
-                for p, st in zip(params, states):
-                    direction = muon_direction(
-                        nesterov_update(p.grad, st["exp_avg"], self.momentum),
-                        group["split"],
-                        self.ns_steps,
-                        self.ns_dtype,
-                    )
-                    decayed_step_(p, direction, lr, wd)
+                muon += [(group, p, st) for p, st in zip(params, states)]
                 continue
             adamw_update(
                 params,
@@ -145,11 +140,21 @@ class MuonAdamW(torch.optim.Optimizer):
                 [st["exp_avg"] for st in states],
                 [st["exp_avg_sq"] for st in states],
                 step=int(states[0]["step"]),
-                lr=lr,
+                lr=float(group["lr"]),
                 betas=group["betas"],
-                weight_decay=wd,
+                weight_decay=float(group["weight_decay"]),
                 eps=float(group["eps"]),
             )
+        if muon:
+            self._muon_update(muon)
+
+    def _muon_update(self, items: list[tuple[dict[str, Any], Tensor, dict[str, Tensor]]]) -> None:
+        """Muon on every ``(group, parameter, state)`` of the step; a subclass that shards parameters overrides it."""
+        for group, p, st in items:
+            direction = muon_direction(
+                nesterov_update(p.grad, st["exp_avg"], self.momentum), group["split"], self.ns_steps, self.ns_dtype
+            )
+            decayed_step_(p, direction, float(group["lr"]), float(group["weight_decay"]))
 
 
 def nesterov_update(grad: Tensor, buf: Tensor, momentum: float) -> Tensor:

@@ -1,7 +1,9 @@
 """Distributed optimizer: AdamW with fp32 master weights and both moments sharded over each data-parallel group.
 
 With ``optim.name=muon`` the groups marked ``muon`` take Muon's update instead
-(:meth:`DistributedOptimizer._muon_bucket`, :mod:`moeforge.optim.muon`); their momentum lives in ``exp_avg``.
+(:meth:`DistributedOptimizer._muon_step`, :mod:`moeforge.optim.muon`); their momentum lives in ``exp_avg``,
+sharded like every other state, and each matrix is orthogonalised by one owner rank of its bucket's
+group (:mod:`moeforge.parallel.data_parallel.muon`).
 
 Works on the buckets of :class:`~moeforge.parallel.data_parallel.buckets.GradReducer`:
 every bucket is split into ``group_size`` equal shards (dense buckets over dp,
@@ -41,12 +43,13 @@ from torch import Tensor
 
 from moeforge.model.moe.experts import local_tensor
 from moeforge.optim.adamw import adamw_update
-from moeforge.optim.muon import decayed_step_, muon_direction, nesterov_update
+from moeforge.optim.muon import decayed_step_, nesterov_update
 from moeforge.parallel.data_parallel.buckets import BucketEntry, GradBucket, GradReducer, all_gather_single
 from moeforge.parallel.data_parallel.flat_shards import Stage, sharded_flat_tensor, sharded_slab_tensor
+from moeforge.parallel.data_parallel.muon import MatrixExchange, plan_bucket_exchanges
 
 _PIPELINE_DEPTH = 2  # all-gathers in flight during the weight update
-_MuonSegment = tuple[int, BucketEntry, int, int, int, Tensor]  # group, entry, start, end, shard offset, master
+MUON_IN_FLIGHT = 1  # Muon exchanges waiting at each stage beyond the bucket being worked on
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -83,10 +86,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._segments = [
             [(group_of[id(e.param)], e, a, z, s) for e, a, z, s in b.shard_segments()] for b in reducer.buckets
         ]
-        # Muon (groups marked "muon"): exp_avg holds the momentum buffer, exp_avg_sq stays zero.
+        # Muon (groups marked "muon"): exp_avg holds the momentum buffer, exp_avg_sq stays zero; one exchange
+        # per bucket with Muon matrices sends each matrix to its owner and the directions back.
         self.muon_momentum, self.muon_ns_steps, self.muon_ns_dtype = muon_momentum, muon_ns_steps, muon_ns_dtype
-        muon_ids = {id(p) for g in self.param_groups if g.get("muon") for p in g["params"]}
-        self._bucket_has_muon = [any(id(e.param) in muon_ids for e in b.entries) for b in reducer.buckets]
+        splits = {id(p): int(g.get("split", 1)) for g in self.param_groups if g.get("muon") for p in g["params"]}
+        self._muon_exchanges: dict[int, MatrixExchange] = plan_bucket_exchanges(reducer.buckets, splits)
+        self.orthogonalised: list[str] = []  # labels of the matrices this rank orthogonalised in the last step
+        self.muon_in_flight = MUON_IN_FLIGHT
         self.shard_state: list[dict[str, Tensor]] = []
         for b in reducer.buckets:
             st = {
@@ -146,48 +152,79 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.reducer.finish()
         self.step_count += 1
         per_group: list[dict[str, list[Tensor]]] = [{"p": [], "g": [], "m": [], "v": []} for _ in self.param_groups]
+        grads: dict[int, Tensor] = {}
         for i, b in enumerate(self.reducer.buckets):
             st, grad = self.shard_state[i], b.grad_shard
             if grad.dtype != torch.float32:
                 grad = grad.float()
-            muon_segments = []
-            for (gi, e, a, z, s), master in zip(self._segments[i], self._master_views(i)):
+            grads[i] = grad
+            for (gi, _, a, z, s), master in zip(self._segments[i], self._master_views(i)):
                 if self.param_groups[gi].get("muon"):
-                    muon_segments.append((gi, e, a, z, s, master))
                     continue
                 lists = per_group[gi]
                 lists["p"].append(master)
                 lists["g"].append(grad[s : s + z - a])
                 lists["m"].append(st["exp_avg"][s : s + z - a])
                 lists["v"].append(st["exp_avg_sq"][s : s + z - a])
-            if self._bucket_has_muon[i]:
-                self._muon_bucket(i, grad, muon_segments)
+        if self._muon_exchanges:
+            self._muon_step(grads)
         for group, lists in zip(self.param_groups, per_group):
             if lists["p"]:
                 self._adamw(group, lists["p"], lists["g"], lists["m"], lists["v"])
         self._all_gather_params()
 
-    def _muon_bucket(self, i: int, grad: Tensor, segments: list[_MuonSegment]) -> None:
-        """Muon on the matrices of bucket ``i`` (:mod:`moeforge.optim.muon`).
+    def _muon_step(self, grads: dict[int, Tensor]) -> None:
+        """Muon on the matrices of every bucket (:mod:`moeforge.parallel.data_parallel.muon`).
 
-        The momentum (``exp_avg``) and the Nesterov update stay sharded and elementwise; the updates'
-        shards are all-gathered over the bucket's group so that every rank holding part of a matrix
-        orthogonalises the whole of it, then applies its own slice to its master shard.
+        The momentum (``exp_avg``) and the Nesterov update stay sharded and elementwise; each bucket's
+        updates go to the matrices' owners in one all-to-all, each owner orthogonalises its matrices,
+        and a second all-to-all brings every rank the directions of its shard, which it applies to its
+        master shard. Up to ``muon_in_flight`` more buckets wait at each stage, so one bucket's
+        iteration overlaps the next ones' transfers. Every rank of a group runs the same exchanges in
+        the same order: which buckets hold Muon matrices is the same on all of them.
         """
-        b, st, mu = self.reducer.buckets[i], self.shard_state[i], self.muon_momentum
-        update = torch.zeros(b.shard_size, dtype=torch.float32, device=grad.device)
-        for _, _, a, z, s, _ in segments:
-            update[s : s + z - a] = nesterov_update(grad[s : s + z - a], st["exp_avg"][s : s + z - a], mu)
-        full = update
-        if b.group_size > 1:  # every rank of the group calls this: whether a bucket has Muon matrices is global
-            full = torch.empty(b.padded_numel, dtype=torch.float32, device=grad.device)
-            all_gather_single(full, update, group=b.group)
-        for gi, e, a, z, _, master in segments:
-            group = self.param_groups[gi]
-            matrix = full[e.offset : e.offset + e.numel].view(local_tensor(e.param).shape)
-            split = int(group.get("split", 1))
-            direction = muon_direction(matrix, split, self.muon_ns_steps, self.muon_ns_dtype).reshape(-1)[a:z]
-            decayed_step_(master, direction, float(group["lr"]), float(group["weight_decay"]))
+        self.orthogonalised = []
+        to_owners: deque[tuple[int, tuple]] = deque()
+        returning: deque[tuple[int, tuple]] = deque()
+
+        def orthogonalise(i: int, pending: tuple) -> None:
+            ex = self._muon_exchanges[i]
+            owned = ex.receive(pending)
+            self.orthogonalised += ex.orthogonalise(owned, self.muon_ns_steps, self.muon_ns_dtype)
+            returning.append((i, ex.send_back(owned)))
+
+        for i, ex in self._muon_exchanges.items():
+            to_owners.append((i, ex.send(self._nesterov(i, grads[i]))))
+            if len(to_owners) > self.muon_in_flight:
+                orthogonalise(*to_owners.popleft())
+            if len(returning) > self.muon_in_flight:
+                self._apply_muon(*returning.popleft())
+        while to_owners:
+            orthogonalise(*to_owners.popleft())
+        while returning:
+            self._apply_muon(*returning.popleft())
+
+    def _muon_segments(self, i: int) -> Iterator[tuple[dict, int, int, Tensor]]:
+        """``(group, length, shard offset, master view)`` of each Muon segment of bucket ``i``'s shard, in order."""
+        for (gi, _, a, z, s), master in zip(self._segments[i], self._master_views(i)):
+            if self.param_groups[gi].get("muon"):
+                yield self.param_groups[gi], z - a, s, master
+
+    def _nesterov(self, i: int, grad: Tensor) -> Tensor:
+        """Advance bucket ``i``'s Muon momentum; the Nesterov updates in a shard-sized buffer (other elements unset)."""
+        st = self.shard_state[i]
+        update = torch.empty(self.reducer.buckets[i].shard_size, dtype=torch.float32, device=grad.device)
+        for _, n, s, _ in self._muon_segments(i):
+            update[s : s + n] = nesterov_update(grad[s : s + n], st["exp_avg"][s : s + n], self.muon_momentum)
+        return update
+
+    def _apply_muon(self, i: int, pending: tuple) -> None:
+        """Take bucket ``i``'s returned directions (its Muon segments, in shard order) into the master shard."""
+        direction = self._muon_exchanges[i].receive_back(pending)
+        off = 0
+        for group, n, _, master in self._muon_segments(i):
+            decayed_step_(master, direction[off : off + n], float(group["lr"]), float(group["weight_decay"]))
+            off += n
 
     def _adamw(self, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list) -> None:
         """torch's multi-tensor AdamW (non-capturable) on shard segments, or its fused kernel."""

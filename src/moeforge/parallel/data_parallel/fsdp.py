@@ -7,7 +7,9 @@ There is no expert parallelism: every rank holds a shard of every expert and
 the model keeps its :class:`~moeforge.model.moe.dispatch.LocalDispatcher`, so
 routing is exactly the single-process model's; FSDP only changes where the
 weights live. The optimizer is torch AdamW on the sharded DTensor parameters
-with the same hyper-parameters and weight-decay groups as the other stacks.
+with the same hyper-parameters and weight-decay groups as the other stacks, or,
+with ``optim.name=muon``, :class:`~moeforge.parallel.data_parallel.muon.ShardedMuonAdamW`
+(each matrix orthogonalised by one owner rank, AdamW on the rest of the shards).
 """
 
 from __future__ import annotations
@@ -21,8 +23,16 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from moeforge.config import Config
+from moeforge.parallel.data_parallel.muon import ShardedMuonAdamW
 from moeforge.parallel.mesh import MoEMesh
-from moeforge.parallel.stack import DTYPES, TrainingStack, build_adamw, optim_param_groups
+from moeforge.parallel.stack import (
+    DTYPES,
+    TrainingStack,
+    build_adamw,
+    optim_param_groups,
+    optimizer_param_groups,
+    scale_initial_lr,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +77,27 @@ def apply_fsdp(
 
 
 class FSDPStack(TrainingStack):
-    """FSDP2 layout plus torch AdamW on the sharded parameters."""
+    """FSDP2 layout plus torch AdamW (or Muon, ``optim.name=muon``) on the sharded parameters."""
 
     def __init__(self, model: nn.Module, cfg: Config, mesh: MoEMesh) -> None:
-        p = cfg.parallel
+        p, o = cfg.parallel, cfg.optim
         self.model = apply_fsdp(
             model, mesh, DTYPES[cfg.train.param_dtype], DTYPES[p.grad_reduce_dtype], p.fsdp_reshard_after_forward
         )
-        self.optimizer = build_adamw(
-            optim_param_groups(self.model, cfg.optim.weight_decay, cfg.optim.expert_lr_scale), cfg
-        )
+        self.optimizer: torch.optim.Optimizer
+        if o.name == "muon":
+            self.optimizer = ShardedMuonAdamW(
+                scale_initial_lr(optimizer_param_groups(self.model, o), o.lr),
+                o.lr,
+                names={id(q): name for name, q in self.model.named_parameters()},
+                betas=(o.beta1, o.beta2),
+                eps=o.eps,
+                momentum=o.muon_momentum,
+                ns_steps=o.muon_ns_steps,
+                ns_dtype=DTYPES[o.muon_ns_dtype],
+            )
+        else:
+            self.optimizer = build_adamw(optim_param_groups(self.model, o.weight_decay, o.expert_lr_scale), cfg)
         self.pp_group = mesh.pp_group  # the stage's norm is summed over the stages (None without pp)
 
     def set_grad_sync(self, enabled: bool) -> None:
