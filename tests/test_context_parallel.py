@@ -157,9 +157,6 @@ def test_load_balanced_chunks_cover_the_sequence_once() -> None:
         ({"cp": 2}, 3, "parallel.cp: pp (1) * cp (2) * tp (1) = 2 must divide the world size (3)"),
         ({"cp": 2, "dp": 1}, 4, "parallel.dp: pp (1) * dp (1) * cp (2) * tp (1) must equal the world size (4)"),
         ({"cp": 2, "ep": 4}, 2, "parallel.ep: must divide the world size (2), got 4"),
-        ({"cp": 2, "stack": "fsdp"}, 2, "parallel.stack: parallel.cp > 1 with the fsdp stack"),
-        ({"cp": 2, "pp": 2}, 4, "parallel.pp: parallel.cp > 1 with pipeline parallelism"),
-        ({"cp": 2, "tp": 2}, 4, "parallel.cp: tp > 1 together with cp > 1 is not supported yet"),
     ],
 )
 def test_bad_cp_layouts_are_one_clear_error(overrides: dict, world: int, message: str) -> None:
@@ -182,7 +179,12 @@ def test_plan_and_bench_know_cp() -> None:
     plans = {cp: make_plan(load_config(preset, [f"--parallel.cp={cp}"]), 8) for cp in (1, 2)}
     one = {lay["ep"]: lay for lay in plans[1]["layouts"] if lay["stack"] == "ddp"}
     two = {lay["ep"]: lay for lay in plans[2]["layouts"] if lay["stack"] == "ddp"}
-    assert all(lay["stack"] == "ddp" for lay in plans[2]["layouts"])  # fsdp does not take cp
+    fsdp = {lay["ep"]: lay for lay in plans[2]["layouts"] if lay["stack"] == "fsdp"}
+    assert set(fsdp) == set(two)  # both stacks take cp, with every ep
+    for ep, lay in fsdp.items():  # fsdp's shards are over all 8 ranks whatever cp
+        assert lay["cp"] == 2 and lay["memory"]["optimizer"] == pytest.approx(
+            next(x for x in plans[1]["layouts"] if x["stack"] == "fsdp" and x["ep"] == ep)["memory"]["optimizer"]
+        )
     for ep, lay in two.items():
         ref = one[ep]
         assert lay["cp"] == 2 and lay["dp"] == ref["dp"] // 2 and lay["grad_accum_steps"] == 2 * ref["grad_accum_steps"]

@@ -135,7 +135,8 @@ def test_json_schema_and_layouts(capsys: pytest.CaptureFixture[str]) -> None:
         assert key in plan
     assert plan["device_memory_bytes"] == 141e9
     stacks = [(lay["stack"], lay["ep"]) for lay in plan["layouts"]]
-    assert stacks == [("fsdp", 1)] + [("ddp", ep) for ep in (1, 2, 4, 8, 16, 32, 64)]
+    eps = (1, 2, 4, 8, 16, 32, 64)
+    assert stacks == [("fsdp", ep) for ep in eps] + [("ddp", ep) for ep in eps]
     for lay in plan["layouts"]:
         assert lay["dp"] == 64
         mem = lay["memory"]
@@ -178,14 +179,22 @@ def test_memory_and_comm_by_hand(tmp_path: Path) -> None:
     total, expert, dense = counts["total"], counts["expert"], counts["dense"]
     block = (total - counts["embedding"] - 16) // 2  # two identical blocks; final norm has 16 weights
     lay = {(x["stack"], x["ep"]): x for x in plan["layouts"]}
-    assert set(lay) == {("fsdp", 1), ("ddp", 1), ("ddp", 2), ("ddp", 4)}
-    assert [x["grad_accum_steps"] for x in plan["layouts"]] == [2, 2, 2, 2]
+    assert set(lay) == {(stack, ep) for stack in ("fsdp", "ddp") for ep in (1, 2, 4)}
+    assert [x["grad_accum_steps"] for x in plan["layouts"]] == [2] * 6
     fsdp = lay["fsdp", 1]
     assert fsdp["memory"]["weights"] == total * 4 / 4 + 2 * block * 4
     assert fsdp["memory"]["gradients"] == total * 4 / 4 + block * 4
     assert fsdp["memory"]["optimizer"] == total * 8 / 4  # fp32: two moments, no separate master
     assert fsdp["comm_bytes"]["all_gather"] == pytest.approx(2 * 2 * total * 4 * 3 / 4)
     assert fsdp["comm_bytes"]["reduce_scatter"] == pytest.approx(2 * total * 4 * 3 / 4)
+    # fsdp with ep=2: dense shards over the 4 ranks, each ep rank's 2 experts over its 2 edp ranks
+    fsdp_ep = lay["fsdp", 2]
+    shard = (total - expert) / 4 + expert / 2 / 2
+    assert fsdp_ep["memory"]["weights"] == pytest.approx(shard * 4 + 2 * block * 4)
+    assert fsdp_ep["memory"]["optimizer"] == pytest.approx(shard * 8)
+    gathers = (total - expert) * 4 * 3 / 4 + expert / 2 * 4 / 2
+    assert fsdp_ep["comm_bytes"]["all_gather"] == pytest.approx(2 * 2 * gathers)
+    assert fsdp_ep["comm_bytes"]["all_to_all"] == lay["ddp", 2]["comm_bytes"]["all_to_all"] > 0
     ep2 = lay["ddp", 2]
     assert ep2["memory"]["weights"] == (dense + expert / 2) * 4
     assert ep2["memory"]["optimizer"] == pytest.approx(dense * 8 / 4 + expert / 2 * 8 / 2)

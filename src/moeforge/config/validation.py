@@ -221,7 +221,6 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     p = cfg.parallel
     check_tp(cfg)
     check_cp(cfg)
-    _check(p.tp == 1 or p.cp == 1, "parallel.cp", "tp > 1 together with cp > 1 is not supported yet; use one of them")
     check_pipeline(cfg)
     check_ep(p.ep, moe.num_experts)
     _check(p.dp >= 0, "parallel.dp", "must be >= 0 (0: inferred from the world size)")
@@ -235,8 +234,6 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
             f"overlaps the all-to-all of expert parallelism: needs model.moe.dispatcher=alltoall and parallel.ep > 1 "
             f"(got {moe.dispatcher!r}, ep={p.ep}); set it to 1",
         )
-    if p.stack == "fsdp":
-        _check(p.ep == 1, "parallel.ep", "the fsdp stack shards every expert instead; set parallel.ep=1")
     if world_size is not None:
         validate_layout(cfg, world_size)
     if cfg.optim.name == "muon":
@@ -246,10 +243,17 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
             f"muon orthogonalises whole matrices, which tensor parallelism splits over the tp ranks (got "
             f"parallel.tp={cfg.parallel.tp}); use parallel.tp=1 (ddp or fsdp stack) or optim.name=adamw",
         )
+        _check(
+            cfg.parallel.stack == "ddp" or cfg.parallel.ep == 1,
+            "optim.name",
+            "muon on the fsdp stack takes its matrices from one data-parallel mesh; with parallel.ep > 1 the "
+            "experts are sharded over their own (edp, ep) mesh: use parallel.stack=ddp, parallel.ep=1 or "
+            "optim.name=adamw",
+        )
 
 
 def check_tp(cfg: Config) -> None:
-    """The tensor-parallel rules that do not need the world size: tp divides the heads; ddp stack, no pp."""
+    """The tensor-parallel rules that do not need the world size: tp divides the heads and the vocabulary; ddp stack."""
     p, m = cfg.parallel, cfg.model
     _check(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}")
     if p.tp == 1:
@@ -263,7 +267,6 @@ def check_tp(cfg: Config) -> None:
         f"must divide model.vocab_size ({m.vocab_size}) for the vocab-parallel head; pad the vocabulary",
     )
     _check(p.stack == "ddp", "parallel.stack", "parallel.tp > 1 needs the ddp stack (fsdp + tp is not supported)")
-    _check(p.pp == 1, "parallel.pp", "parallel.tp > 1 with parallel.pp > 1 is not supported yet; use pp=1")
 
 
 def check_cp(cfg: Config) -> None:
@@ -277,8 +280,17 @@ def check_cp(cfg: Config) -> None:
         "parallel.cp",
         f"must split data.seq_len ({seq}) into 2 * cp = {2 * p.cp} equal chunks; pick cp with seq_len % (2 * cp) == 0",
     )
-    _check(p.stack == "ddp", "parallel.stack", "parallel.cp > 1 with the fsdp stack is not supported yet; use ddp")
-    _check(p.pp == 1, "parallel.pp", "parallel.cp > 1 with pipeline parallelism is not supported yet; use pp=1")
+    _check(
+        p.pp == 1 or p.tp == 1,
+        "parallel.pp",
+        "pp > 1 with both tp > 1 and cp > 1 is not exact yet (clipped gradients differ from one process); "
+        "drop one of pp, tp and cp",
+    )
+    _check(
+        (seq // p.cp) % p.tp == 0,
+        "parallel.tp",
+        f"must divide the data.seq_len / cp = {seq // p.cp} tokens of each cp rank (sequence parallelism), got {p.tp}",
+    )
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")

@@ -74,7 +74,7 @@ def predict_state(cfg: Config, world: int) -> list[dict[str, int]]:
     named = [(p, role) for _, p, role in named_full]
     fsdp = world > 1 and cfg.parallel.stack == "fsdp"
     if fsdp:
-        return [_predict_fsdp(named, world, r) for r in range(world)]
+        return [_predict_fsdp(named, world, r, cfg.parallel.ep) for r in range(world)]
     dtype = DTYPES[cfg.train.param_dtype]
     elt = torch.tensor([], dtype=dtype).element_size()
     ep = cfg.parallel.ep if world > 1 else 1
@@ -106,12 +106,19 @@ def predict_state(cfg: Config, world: int) -> list[dict[str, int]]:
     return [{"params_bytes": params, "grads_bytes": grads, "master_bytes": master, "optim_bytes": optim}] * world
 
 
-def _predict_fsdp(named: list[tuple[nn.Parameter, str]], world: int, rank: int) -> dict[str, int]:
-    """FSDP2: fp32 shards of dim 0 (they are the masters), fp32 sharded gradients, AdamW state per shard."""
+def _predict_fsdp(named: list[tuple[nn.Parameter, str]], world: int, rank: int, ep: int = 1) -> dict[str, int]:
+    """FSDP2: fp32 shards of dim 0 (they are the masters), fp32 sharded gradients, AdamW state per shard.
+
+    Dense parameters are chunked over all ``world`` data ranks; with ``ep > 1`` each ep rank's experts
+    (``E / ep`` rows, ep innermost in the rank order) are chunked over the ``world / ep`` ranks holding them.
+    """
     local = 0
-    for p, _ in named:
+    for p, role in named:
         rows = p.shape[0] if p.ndim else 1
-        local += _chunk_rows(rows, world, rank) * (p.numel() // max(rows, 1))
+        if role == EXPERT and ep > 1:
+            local += _chunk_rows(rows // ep, world // ep, rank // ep) * (p.numel() // max(rows, 1))
+        else:
+            local += _chunk_rows(rows, world, rank) * (p.numel() // max(rows, 1))
     return {
         "params_bytes": 4 * local,
         "grads_bytes": 4 * local,

@@ -60,6 +60,7 @@ class MoEMesh:
     stage_group: dist.ProcessGroup | None = None  # every rank of this stage: tp-replicated dense params under tp
     tp_group: dist.ProcessGroup | None = None  # the tensor-parallel ranks (None when tp == 1)
     cp_mesh: DeviceMesh | None = None  # 1-D mesh of ``cp_group`` (None when cp == 1)
+    dp_cp_mesh: DeviceMesh | None = None  # 1-D mesh of ``dp_cp_group``: the fsdp stack shards dense weights over it
 
     @property
     def dp(self) -> int:
@@ -117,8 +118,8 @@ class MoEMesh:
         return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
 
     @property
-    def dp_mesh(self) -> DeviceMesh | None:
-        """The 1-D sub-mesh of a stage's data-parallel ranks when ``ep == 1`` and ``cp == 1`` (the fsdp stack's)."""
+    def edp_mesh(self) -> DeviceMesh | None:
+        """The 1-D sub-mesh of the ranks holding the same experts (tp == 1): the fsdp stack shards experts over it."""
         return self.mesh["edp"] if self.mesh is not None else None
 
 
@@ -173,6 +174,7 @@ def build_mesh(cfg: ParallelConfig, device_type: str = "cpu") -> MoEMesh:
     if cp > 1:  # same pp, dp and tp index
         cp_group = partition_group(world, rank, lambda r: (pp_i(r), r // (cp * tp), tp_i(r)))
         cp_mesh = DeviceMesh.from_group(cp_group, device_type, mesh_dim_names=("cp",))
+    dp_cp_mesh = DeviceMesh.from_group(dp_cp_group, device_type, mesh_dim_names=("dp_cp",))
     edp_group = mesh.get_group("edp")
     if tp > 1:  # ranks with the same experts: same stage and ep index, any edp and tp index
         edp_group = partition_group(world, rank, lambda r: (pp_i(r), (r // tp) % cfg.ep))
@@ -194,4 +196,5 @@ def build_mesh(cfg: ParallelConfig, device_type: str = "cpu") -> MoEMesh:
         stage_group=stage_group,
         tp_group=mesh.get_group("tp") if tp > 1 else None,
         cp_mesh=cp_mesh,
+        dp_cp_mesh=dp_cp_mesh,
     )

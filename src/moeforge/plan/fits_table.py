@@ -24,11 +24,12 @@ def _cell(plan: dict) -> str:
         return "none"
     if len(fits) == len(plan["layouts"]):
         return "all"
-    names = []
+    per_stack: dict[str, list[str]] = {}
     for lay in fits:
-        name = "fsdp" if lay["stack"] == "fsdp" else f"ddp ep={lay['ep']}"
-        names.append(name + ("" if lay["fits_without_checkpointing"] else " (AC)"))
-    return ", ".join(names)
+        per_stack.setdefault(lay["stack"], []).append(
+            str(lay["ep"]) + ("" if lay["fits_without_checkpointing"] else " (AC)")
+        )
+    return "; ".join(f"{stack} ep={', '.join(eps)}" for stack, eps in per_stack.items())
 
 
 def render(preset_dir: Path) -> str:

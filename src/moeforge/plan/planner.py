@@ -8,10 +8,12 @@ formulas are in ``docs/flops.md``; in short (P parameters, b_w/b_g bytes per
 weight/gradient, 2 in bf16 and 4 in fp32; b_o optimizer bytes per parameter,
 fp32 master 4 in bf16 only + two fp32 Adam moments 8):
 
-- fsdp (ep=1, dp=N): weights ``P b_w / N`` plus two unsharded blocks (current +
-  prefetched), gradients ``P b_g / N`` plus one unsharded block, optimizer
-  ``P b_o / N``. Each micro-batch all-gathers the weights twice (forward, and
-  again in backward after resharding) and reduce-scatters the gradients.
+- fsdp (dp=N): dense weights ``P_d b_w / N``, each ep rank's experts ``P_e / ep``
+  sharded over its ``N / ep`` ranks, plus two unsharded blocks (current +
+  prefetched); gradients the same shards plus one unsharded block, optimizer
+  state per shard. Each micro-batch all-gathers the weights twice (forward, and
+  again in backward after resharding) and reduce-scatters the gradients; with
+  ep > 1 the tokens' all-to-alls as for ddp.
 - ddp (+ep): dense weights replicated, experts split over ep; gradients the
   same size; the distributed optimizer shards dense state over the N ranks and
   each expert's state over its N/ep expert-data-parallel ranks. Per micro-batch
@@ -25,7 +27,7 @@ fp32 master 4 in bf16 only + two fp32 Adam moments 8):
   the attention heads and MLP hidden units ``1/tp``, plus the gathered
   block inputs. ``tp`` comm: per micro-batch an all-gather and a
   reduce-scatter of ``tokens x d`` around every tp region, forward and backward.
-- cp (``parallel.cp``, ddp only): each rank holds ``seq / cp`` tokens of every
+- cp (``parallel.cp``): each rank holds ``seq / cp`` tokens of every
   sequence, so activations and all-to-all rows shrink by cp, dp (batches) is
   ``world / cp`` while the dense state stays sharded over all ``world`` ranks;
   ring attention keeps only the rank's own K/V; per layer the K/V of the
@@ -114,13 +116,23 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     ga = grad_accum_steps(cfg, dp)
     act = activation_bytes(cfg)
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0, "tp": 0.0, "context": 0.0}
-    if stack == "fsdp":
+    a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
+    kv_local = tokens * 2 * cfg.model.kv_heads * cfg.model.dim_head  # elements of this rank's K and V
+    # ring attention: K/V go round forward and backward, their fp32 gradient sums round in backward
+    comm["context"] = ga * cfg.model.n_layers * (cp - 1) * kv_local * (2 * a + 4)
+    moe = cfg.model.moe
+    rows = tokens / tp * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
+    comm["all_to_all"] = ga * stats["moe_layers"] * 4 * _gather(rows, ep)
+    if stack == "fsdp":  # dense weights sharded over the data ranks, each ep rank's experts over its edp ranks
         block = stats["largest_block"]
-        weights = total * 4 / world + (2 * block * b_w if world > 1 else 0)
-        grads = total * 4 / world + (block * b_w if world > 1 else 0)
-        optim = total * b_o / world
-        comm["all_gather"] = ga * 2 * _gather(total * b_w, world)
-        comm["reduce_scatter"] = ga * _gather(total * b_g, world)
+        shard = (total - expert) / data + expert / ep / edp
+        weights = shard * 4 + (2 * block * b_w if world > 1 else 0)
+        grads = shard * 4 + (block * b_w if world > 1 else 0)
+        optim = shard * b_o
+        gathered = _gather((total - expert) * b_w, data) + _gather(expert / ep * b_w, edp)
+        comm["all_gather"] = ga * 2 * gathered
+        comm["reduce_scatter"] = ga * (_gather((total - expert) * b_g, data) + _gather(expert / ep * b_g, edp))
     else:
         split = stats.get("tp_sharded", 0) if tp > 1 else 0  # tp-sharded: 1/tp per rank, state over dp
         rep = dense - split  # replicated dense: state over all ranks (dp x tp)
@@ -129,14 +141,6 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
         optim = split / tp * b_o / data + rep * b_o / world + (expert / ep) * b_o / edp
         for key, b in (("reduce_scatter", b_g), ("all_gather", b_w)):
             comm[key] = _gather(split / tp * b, data) + _gather(rep * b, world) + _gather(expert / ep * b, edp)
-        a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
-        tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
-        kv_local = tokens * 2 * cfg.model.kv_heads * cfg.model.dim_head  # elements of this rank's K and V
-        # ring attention: K/V go round forward and backward, their fp32 gradient sums round in backward
-        comm["context"] = ga * cfg.model.n_layers * (cp - 1) * kv_local * (2 * a + 4)
-        moe = cfg.model.moe
-        rows = tokens / tp * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
-        comm["all_to_all"] = ga * stats["moe_layers"] * 4 * _gather(rows, ep)
         if tp > 1:
             comm["tp"] = ga * tp_collectives_per_micro_batch(cfg) * _gather(tokens * cfg.model.d_model * a, tp)
     comm["total"] = sum(comm.values())
@@ -156,10 +160,10 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
 
 
 def valid_layouts(cfg: Config, world: int) -> list[tuple[str, int]]:
-    """(stack, ep) pairs: fsdp with ep=1, ddp with every ep dividing num_experts and the data ranks.
+    """(stack, ep) pairs: fsdp and ddp, each with every ep dividing num_experts and the data ranks.
 
-    With ``parallel.tp > 1`` or ``parallel.cp > 1``: ddp only, ep dividing the ``world / tp`` data ranks
-    (experts are folded over dp x cp).
+    With ``parallel.tp > 1``: ddp only (the fsdp stack does not take tp), ep dividing the ``world / tp`` data
+    ranks (experts are folded over dp x cp).
     """
     experts, tp = cfg.model.moe.num_experts, cfg.parallel.tp
     data = world // tp
@@ -171,8 +175,9 @@ def valid_layouts(cfg: Config, world: int) -> list[tuple[str, int]]:
             return False
         return True
 
-    ddp = [("ddp", ep) for ep in range(1, min(experts, data) + 1) if valid(ep)]
-    return ddp if tp > 1 or cfg.parallel.cp > 1 else [("fsdp", 1), *ddp]
+    eps = [ep for ep in range(1, min(experts, data) + 1) if valid(ep)]
+    ddp = [("ddp", ep) for ep in eps]
+    return ddp if tp > 1 else [*(("fsdp", ep) for ep in eps), *ddp]
 
 
 def _host_memory_bytes() -> float:

@@ -41,7 +41,7 @@ def format_plan(plan: dict[str, Any], config_name: str = "") -> str:
     lines.append("-" * len(header))
     for lay in plan["layouts"]:
         mem, comm = lay["memory"], lay["comm_bytes"]
-        stack = "fsdp" if lay["stack"] == "fsdp" else ("ddp" if lay["ep"] == 1 else "ddp+ep")
+        stack = lay["stack"] if lay["ep"] == 1 else f"{lay['stack']}+ep"
         values = (
             mem["weights"],
             mem["gradients"],

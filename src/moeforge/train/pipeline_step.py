@@ -20,6 +20,7 @@ from torch import Tensor
 
 from moeforge.config import Config
 from moeforge.model import MoETransformer
+from moeforge.parallel.context.chunks import cp_chunks
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.pipeline.schedule import PipelineRunner
 from moeforge.parallel.pipeline.stages import RankStages, stage_ranks
@@ -79,7 +80,7 @@ def pipelined_forward_backward(trainer: PipelinedTrainer, micro_batches: list[Te
     model.train()
     n_micro = len(micro_batches)
     batch = torch.cat(micro_batches).to(device, non_blocking=True)
-    inputs, targets = batch[:, :-1], batch[:, 1:]
+    inputs, targets = cp_chunks(batch, mesh.cp, mesh.cp_rank)  # this cp rank's chunks of every sequence
     rec = torch.zeros(3, device=device)  # weighted aux + z, aux, z: sums over micro-batches and this rank's layers
     loads = [LoadAccumulator(c.module.moe_layers(), mesh.ep, device) for c in pipe.chunks]  # one per stage
 
@@ -116,7 +117,8 @@ def pipelined_forward_backward(trainer: PipelinedTrainer, micro_batches: list[Te
 def pipelined_eval_sums(trainer: PipelinedTrainer, batch: Tensor) -> Tensor:
     """``[loss * tokens, tokens]`` (float64) of one eval batch: the last stage's, zeros on the others."""
     pipe: PipelineRunner = trainer.pipeline  # type: ignore[assignment]
-    inputs, targets = batch[:, :-1], batch[:, 1:]
+    mesh = trainer.mesh
+    inputs, targets = cp_chunks(batch, mesh.cp, mesh.cp_rank)  # this cp rank's chunks of every sequence
     with trainer.autocast():
         losses = pipe.run_eval(inputs, targets)
     acc = torch.zeros(2, device=trainer.device, dtype=torch.float64)

@@ -140,7 +140,11 @@ class TopKRouter(nn.Module):
         e = self.num_experts
         counts_all, probs_sum, z_all, n_all = stats[:e], stats[e : 2 * e], stats[2 * e], stats[2 * e + 1]
         n_all = n_all.clamp(min=1.0)
-        aux = e * (counts_all / (n_all * self.top_k) * (probs_sum / n_all)).sum()
+        fractions = counts_all / (n_all * self.top_k)
+        if self.reduce_counts is not None:  # the route fractions of the whole sequences (equal tokens per part)
+            seq_counts = self.reduce_counts(counts_all.clone())
+            fractions = seq_counts / seq_counts.sum().clamp_min(1.0)
+        aux = e * (fractions * (probs_sum / n_all)).sum()
         return aux, z_all / n_all
 
     @torch.no_grad()

@@ -54,8 +54,11 @@ def parallelize_context(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
         raise ValueError(f"parallel.cp = {cp} needs an initialised mesh (build_mesh after init_process_group)")
     assert dist.get_rank(group) == cp_rank, "the ring's neighbours are found by cp rank: build_mesh orders the group so"
 
+    # a later pipeline stage under tp receives the sequence-parallel stream: T / tp of this rank's tokens
+    seq_factor = cp * (mesh.tp if model.embed_tokens is None else 1)
+
     def positions(T: int, device: torch.device) -> Tensor:
-        return chunk_positions(T * cp, cp, cp_rank, device)
+        return chunk_positions(T * seq_factor, cp, cp_rank, device)
 
     def reduce_counts(counts: Tensor) -> Tensor:
         dist.all_reduce(counts, group=group)

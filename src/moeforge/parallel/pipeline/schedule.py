@@ -176,7 +176,8 @@ class PipelineRunner:
         """
         d, vocab = self.model.cfg.d_model, self.model.cfg.vocab_size
         meta = torch.device("meta")
-        hidden = torch.empty(rows, seq, d, dtype=self.hidden_dtype, device=meta, requires_grad=True)
+        # between stages the residual stream is sequence-parallel over tp: each tp rank sends its T / tp positions
+        hidden = torch.empty(rows, seq // self.mesh.tp, d, dtype=self.hidden_dtype, device=meta, requires_grad=True)
         tokens = torch.empty(rows, seq, dtype=torch.long, device=meta)
         logits = torch.empty(rows, seq, vocab, dtype=self.logits_dtype, device=meta, requires_grad=True)
         return [

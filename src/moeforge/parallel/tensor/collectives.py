@@ -32,7 +32,8 @@ def _gather(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    # contiguous like the input: a pipeline stage sends what comes out of here, and sends need contiguous tensors
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
@@ -42,7 +43,7 @@ def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
         raise ValueError(f"reduce-scatter along dim {dim}: size {moved.shape[0]} does not divide by {n} ranks")
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 class _GatherAlong(torch.autograd.Function):

@@ -111,13 +111,18 @@ def parallelize_tensor(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
         return model
     if mesh.tp_mesh is None or mesh.tp_group is None:
         raise ValueError(f"parallel.tp = {mesh.tp} needs an initialised mesh (build_mesh after init_process_group)")
-    if model.embed_tokens is None or model.lm_head is None or model.norm is None:
-        raise ConfigError("parallel.tp: tensor parallelism of a pipeline stage is not supported; set parallel.pp=1")
     check_tensor_parallel(model, mesh.tp)
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, mesh.tp_mesh)
-    shared = model.embed_tokens.weight if tied else None
-    model.lm_head = VocabParallelHead(model.lm_head, mesh.tp_mesh, weight=shared)  # type: ignore[assignment]
+    # a pipeline stage holds the embedding (first), the head (last), both or neither
+    embed, head = model.embed_tokens, model.lm_head
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None:
+        model.embed_tokens = VocabParallelEmbedding(embed, mesh.tp_mesh)
+    else:  # a later pipeline stage: its input is the sequence-parallel residual stream, T / tp positions each
+        tp = mesh.tp
+        model.positions_fn = lambda T, device: torch.arange(T * tp, device=device)
+    if head is not None:
+        shared = model.embed_tokens.weight if tied else None  # type: ignore[union-attr]
+        model.lm_head = VocabParallelHead(head, mesh.tp_mesh, weight=shared)  # type: ignore[assignment]
     for block in model.blocks():
         _parallelize_attention(block.self_attn, mesh)
         if isinstance(block.mlp, MoELayer):
