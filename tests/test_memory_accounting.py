@@ -32,6 +32,7 @@ LAYOUTS = {
     "fsdp": ["--parallel.stack=fsdp"],
     "fsdp_bf16": ["--parallel.stack=fsdp", *BF16],
     "fsdp_fused": ["--parallel.stack=fsdp", *FUSED],
+    "fsdp_ep2": ["--parallel.stack=fsdp", "--parallel.ep=2"],
 }
 
 
