@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -82,3 +83,22 @@ def continue_from(cfgs: dict, src_run: str, run: str) -> None:
     if dist.is_initialized():
         dist.barrier()
     Trainer(cfg).fit()
+
+
+class CapturedWarnings(logging.Handler):
+    """Collects the messages of one logger (works without pytest's logging plugin)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.WARNING)
+        self.logger = logging.getLogger(name)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> CapturedWarnings:
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import logging
 import math
 from html.parser import HTMLParser
 from pathlib import Path
@@ -15,6 +14,8 @@ import pytest
 from moeforge.cli import main
 from moeforge.config import Config, save_config
 from moeforge.report import write_report
+
+from .helpers import CapturedWarnings
 
 LAYERS, EXPERTS, EP, STEPS = 2, 8, 2, 30
 
@@ -125,25 +126,6 @@ def test_report_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert not (empty / "report").exists()
 
 
-class _Warnings(logging.Handler):
-    """Collects the messages of one logger (works without pytest's logging plugin)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(logging.WARNING)
-        self.logger = logging.getLogger(name)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> _Warnings:
-        self.logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.logger.removeHandler(self)
-
-
 def test_report_skips_torn_and_garbage_metrics_lines(tmp_path: Path) -> None:
     """A killed run leaves a truncated last line; a garbage middle line too: report still works, warns once."""
     run = fake_run(tmp_path / "run", steps=6)
@@ -151,7 +133,7 @@ def test_report_skips_torn_and_garbage_metrics_lines(tmp_path: Path) -> None:
     lines.insert(2, "\x00\x00garbage{")  # line 3
     torn = json.dumps({"step": 7, "loss": 1.0})[:9]  # line 8: what a kill mid-write leaves
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n" + torn)
-    with _Warnings("moeforge.train.metrics") as caught:
+    with CapturedWarnings("moeforge.train.metrics") as caught:
         assert main(["report", str(run), "--out", str(tmp_path / "r")]) == 0
     assert (tmp_path / "r" / "index.html").is_file()
     warnings = [m for m in caught.messages if "metrics.jsonl" in m]

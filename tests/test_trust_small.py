@@ -4,7 +4,6 @@ whose PID was reused is stale, a dangling-symlink run dir is named as such, data
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
 import zlib
@@ -22,27 +21,7 @@ from moeforge.train.data_setup import ensure_data
 from moeforge.train.run_lock import RunLock, RunLockedError, check_run_dir_free
 from moeforge.train.trainer import Trainer
 
-from .helpers import tiny_config
-
-
-class _Warnings(logging.Handler):
-    """Collects the messages of one logger (works without pytest's logging plugin)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(logging.WARNING)
-        self.logger = logging.getLogger(name)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> _Warnings:
-        self.logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.logger.removeHandler(self)
-
+from .helpers import CapturedWarnings, tiny_config
 
 # ------------------------------------------------------------------ 1. manifest paths
 
@@ -105,7 +84,7 @@ def test_a_lock_whose_pid_was_reused_is_stale(tmp_path: Path) -> None:
 
     lock.write_text(json.dumps({**live, "pid_start_ticks": _start_ticks(other) + 12345}))  # pid reused since
     check_run_dir_free(run)
-    with _Warnings("moeforge.train.run_lock") as caught:
+    with CapturedWarnings("moeforge.train.run_lock") as caught:
         held = RunLock.acquire(run)
     assert len(caught.messages) == 1 and "stale lock" in caught.messages[0] and "reused" in caught.messages[0]
     written = json.loads(lock.read_text())
