@@ -118,7 +118,8 @@ def test_a_signal_to_one_worker_stops_every_rank_at_the_same_step(tmp_path: Path
     _check_stopped(done, run, "SIGTERM")
 
 
-@pytest.mark.parametrize("layout", [["--parallel.ep=2"], ["--parallel.pp=2"], ["--parallel.tp=2"]])
+# ep=2 under the launcher's SIGTERM is the chaos run's (tests/test_chaos.py); here the pipeline and tp layouts
+@pytest.mark.parametrize("layout", [["--parallel.pp=2"], ["--parallel.tp=2"]])
 def test_the_launcher_stopped_by_sigterm_resumes_exactly_and_on_one_process(tmp_path: Path, layout) -> None:
     """SIGTERM to the launcher (what Slurm sends it): its workers save, it exits 6; the same command resumes
     to the uninterrupted run's losses, and the checkpoint also resumes on one process."""
