@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of moeforge on one CUDA GPU, in under 8 minutes; needs no network.
-#   bash scripts/gpu_check.sh [OUT_DIR]        (default runs/gpu_check)
+#   bash scripts/gpu_check.sh [OUT_DIR [WHEELS_DIR]]   (defaults runs/gpu_check and wheels/)
 # 1. the CUDA-capable test subset: pytest -m cuda --device cuda (tests/test_device.py);
 # 2. python -m moeforge.bench.cuda_check: the rowwise dispatcher under
 #    torch.cuda.set_sync_debug_mode("error"), the MoE layer and the full training step against
@@ -29,8 +29,22 @@ if [ -z "$py" ]; then
   exit 0
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p "$out"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# the peers' wheels fetched by scripts/gpu_wheels.sh, installed offline beside (never over) the system torch
+wheels="${2:-wheels}"
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  site="$(mktemp -d /tmp/moeforge_peers.XXXXXX)"
+  if "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" --find-links "$wheels" "$wheels"/*.whl \
+      >"$out/wheels.log" 2>&1; then
+    export PYTHONPATH="$PYTHONPATH:$site"
+    echo "gpu_check: peers' wheels installed offline from $wheels into $site"
+  else
+    echo "gpu_check: peers' wheels from $wheels failed to install (see $out/wheels.log); peers will say why they cannot run"
+  fi
+else
+  echo "gpu_check: no wheels in $wheels (run scripts/gpu_wheels.sh on a machine with an index and carry it); peers will say why they cannot run"
+fi
 echo "gpu_check: $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), python $py"
 "$py" -c "import torch, transformers; print('gpu_check: torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'device', torch.cuda.get_device_name(0))"
