@@ -152,7 +152,7 @@ def _mode_row(
             "last_loss": c.losses[-1],
             "input_hash": batch_hash(c.seen),
             "mfu": None if not peak_tflops else s["per_s"] * fpt / 1e12 / peak_tflops,
-            "energy": energy_record(joules[name], sum(times[name]), tokens * steps, meter),
+            "energy": energy_record(joules[name], sum(times[name]), tokens * steps, meter, min(times[name])),
         }
     row["moeforge"]["kernels"] = contenders["moeforge"].kernels.to_dict()  # type: ignore[union-attr]
     row["ratio"] = row["moeforge"]["tokens_per_s"] / row["hf"]["tokens_per_s"]

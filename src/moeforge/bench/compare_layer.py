@@ -108,7 +108,7 @@ def compare_layer(
         s = summarize(t, tokens)
         rows[name] = {"tokens_per_s": s["per_s"], "s_median": s["median_s"], "s_min": s["min_s"], "s": t}
         rows[name]["tflops"] = flops / s["median_s"] / 1e12
-        rows[name]["energy"] = energy_record(joules[name], sum(t), tokens * steps, meter)
+        rows[name]["energy"] = energy_record(joules[name], sum(t), tokens * steps, meter, min(t))
     ratio = rows["moeforge"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
     log.info("compare hf_layer: moeforge / hf = %.3fx (agreement %s)", ratio, agree)
     return {

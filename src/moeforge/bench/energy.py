@@ -7,6 +7,11 @@
   package: every process on it, other users' included, so on a shared machine they overstate.
 
 Where neither is readable the meter says why, and results carry ``null`` with that reason.
+
+A reading is reported only when it can mean what it says (:func:`checked_joules`): NVML's counter
+advances in steps, so a window shorter than :data:`NVML_MIN_WINDOW_S` (the shortest single timed
+call, when many are summed) gives ``null``; so does a count that did not advance (zero joules), and
+an average power above the device's enforced power limit (a counter fault, not a measurement).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any
 import torch
 
 POWERCAP = Path("/sys/class/powercap")
+#: NVML's energy counter updates too coarsely for shorter windows to be a measurement
+NVML_MIN_WINDOW_S = 1.0
 
 
 def _rapl_zones() -> list[Path]:
@@ -39,6 +46,8 @@ class EnergyMeter:
     def __init__(self, device: torch.device) -> None:
         self.source: str | None = None
         self.reason: str | None = None
+        self.min_window_s = 0.0  # shortest window a reading stands for (NVML_MIN_WINDOW_S on a GPU)
+        self.max_power_w: float | None = None  # above it a reading is a fault (the GPU's enforced limit)
         self._nvml_handle: Any = None
         self._zones: list[Path] = []
         self._last: list[int] = []
@@ -60,6 +69,11 @@ class EnergyMeter:
             self.reason = f"NVML energy counter not readable ({type(e).__name__}: {e})"
             return
         self._nvml_handle, self.source = handle, "nvml total energy (this GPU)"
+        self.min_window_s = NVML_MIN_WINDOW_S
+        try:
+            self.max_power_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3  # mW
+        except Exception:  # not supported: readings are still bounded below and by the window
+            self.max_power_w = None
 
     def _init_rapl(self) -> None:
         if not POWERCAP.is_dir():
@@ -93,15 +107,48 @@ class EnergyMeter:
         return total
 
 
-def energy_record(joules: float | None, seconds: float, tokens: float, meter: EnergyMeter) -> dict[str, Any]:
-    """``{"joules", "joules_per_token", "avg_power_w", "source", "reason"}``; nulls with the reason if unmeasured."""
+def checked_joules(
+    joules: float | None, seconds: float, meter: EnergyMeter, window_s: float | None = None
+) -> tuple[float | None, str | None]:
+    """``(joules, None)`` when the reading is a measurement, else ``(None, why not)``.
+
+    ``window_s`` is the shortest single window the reading was summed from (``seconds`` when omitted).
+    """
     if joules is None:
-        return {"joules": None, "joules_per_token": None, "avg_power_w": None, "source": None, "reason": meter.reason}
+        return None, meter.reason
+    window = seconds if window_s is None else window_s
+    if window < meter.min_window_s:
+        return None, (
+            f"windows of {window:.3g} s are shorter than the {meter.min_window_s:g} s the counter "
+            f"({meter.source}) needs; time longer windows for energy"
+        )
+    if joules <= 0:
+        return None, f"the counter ({meter.source}) did not advance over {seconds:.3g} s ({joules:g} J)"
+    power = joules / seconds if seconds > 0 else float("inf")
+    if meter.max_power_w is not None and power > meter.max_power_w:
+        return None, f"{power:.0f} W average is above the device's {meter.max_power_w:.0f} W limit: a counter fault"
+    return joules, None
+
+
+def energy_record(
+    joules: float | None, seconds: float, tokens: float, meter: EnergyMeter, window_s: float | None = None
+) -> dict[str, Any]:
+    """``{"joules", "joules_per_token", "avg_power_w", "source", "reason"}``; nulls with the reason if unmeasured.
+
+    The reading goes through :func:`checked_joules` first (``window_s``: the shortest single window).
+    """
+    joules, reason = checked_joules(joules, seconds, meter, window_s)
+    if joules is None:
+        return {"joules": None, "joules_per_token": None, "avg_power_w": None, "source": None, "reason": reason}
+    return _record(joules, seconds, tokens, meter.source)
+
+
+def _record(joules: float, seconds: float, tokens: float, source: str | None) -> dict[str, Any]:
     return {
         "joules": joules,
         "joules_per_token": joules / tokens if tokens else None,
         "avg_power_w": joules / seconds if seconds > 0 else None,
-        "source": meter.source,
+        "source": source,
         "reason": None,
     }
 
@@ -124,8 +171,15 @@ def rank_energy(
     GPUs: each rank's own device, summed; CPU: RAPL counts the whole package(s), so rank 0's reading alone.
     """
     cuda = device.type == "cuda"
-    joules = sum(joules_per_rank) if cuda else joules_per_rank[0]
-    energy = energy_record(None if joules != joules else joules, seconds, tokens, meter)
+    readings = joules_per_rank if cuda else joules_per_rank[:1]
+    # each device's reading is checked against its own limit, then the valid ones are summed
+    checked = [checked_joules(None if j != j else j, seconds, meter) for j in readings]
+    reasons = [why for j, why in checked if j is None]
+    if reasons:
+        energy = energy_record(None, seconds, tokens, meter)
+        energy["reason"] = reasons[0]
+    else:
+        energy = _record(sum(j for j, _ in checked if j is not None), seconds, tokens, meter.source)
     energy["devices"] = world if cuda else None
     if energy["avg_power_w"] is not None and cuda:
         energy["avg_power_w_per_device"] = energy["avg_power_w"] / world
