@@ -23,3 +23,12 @@ def device(request) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch.cuda.is_available() is False in this python")
     return torch.device(name)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Name the CPU's vector level and whether it has native bf16 GEMM: without it (AVX2-only CPUs) every bf16
+    matmul takes a slow reference path, and the bf16 tests take many times their usual time."""
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    terminalreporter.write_line(
+        f"cpu: {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: {'yes' if native else 'no'}"
+    )
