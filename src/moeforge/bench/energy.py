@@ -139,8 +139,12 @@ def energy_record(
     """
     joules, reason = checked_joules(joules, seconds, meter, window_s)
     if joules is None:
-        return {"joules": None, "joules_per_token": None, "avg_power_w": None, "source": None, "reason": reason}
+        return _unmeasured(reason)
     return _record(joules, seconds, tokens, meter.source)
+
+
+def _unmeasured(reason: str | None) -> dict[str, Any]:
+    return {"joules": None, "joules_per_token": None, "avg_power_w": None, "source": None, "reason": reason}
 
 
 def _record(joules: float, seconds: float, tokens: float, source: str | None) -> dict[str, Any]:
@@ -176,8 +180,7 @@ def rank_energy(
     checked = [checked_joules(None if j != j else j, seconds, meter) for j in readings]
     reasons = [why for j, why in checked if j is None]
     if reasons:
-        energy = energy_record(None, seconds, tokens, meter)
-        energy["reason"] = reasons[0]
+        energy = _unmeasured(reasons[0])
     else:
         energy = _record(sum(j for j, _ in checked if j is not None), seconds, tokens, meter.source)
     energy["devices"] = world if cuda else None
