@@ -15,6 +15,10 @@ The rules follow what the kernels are built for:
   the inputs' precision.
 - loss: the LM head fused into the cross-entropy (no whole logits) on the CPU where nothing blocks it; on a
   GPU the head's GEMM and a separate loss kernel.
+- bf16 GEMMs on the CPU: computed in fp32 from the exactly-upcast bf16 inputs and rounded to bf16
+  (:mod:`moeforge.ops.bf16_gemm`) where the CPU has no native bf16 GEMM (no AVX512-BF16 or AMX), whose
+  fallback kernel is many times slower than fp32; the products and the fp32 accumulation are a native bf16
+  GEMM's. A fixed rule on the CPU's instruction set, so machines of one kind agree.
 - grouped experts: groups padded to ``model.moe.cpu_group_align`` rows on the CPU in bf16/fp16, so the CPU's
   batched GEMM sees few distinct row counts and reuses its kernels; none elsewhere.
 """
@@ -31,6 +35,7 @@ from moeforge.config import Config
 from moeforge.config.validation import config_fused_loss_blocker
 from moeforge.model.attention import Attention
 from moeforge.model.moe.experts import GroupedExperts
+from moeforge.ops.bf16_gemm import native_bf16_gemm
 from moeforge.ops.eager_attention import EAGER_MAX_SEQ
 from moeforge.ops.sdpa import LOW_PRECISION
 
@@ -43,6 +48,7 @@ class KernelChoice:
     attention_upcast: bool  # bf16/fp16 attention computed in fp32
     fused_loss: bool  # the LM head fused into the cross-entropy
     expert_row_align: int  # rows each expert group is padded to (1: none)
+    bf16_gemm_fp32: bool = False  # bf16 CPU GEMMs computed in fp32 (moeforge.ops.bf16_gemm)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for logs and results files)."""
@@ -58,7 +64,7 @@ def compute_dtype(cfg: Config) -> torch.dtype:
 
 def select_kernels(cfg: Config, device: torch.device | str) -> KernelChoice:
     """The kernels of ``cfg`` on a device of ``device``'s kind: explicit settings as given, ``auto`` by the rules
-    of this module. A pure function of the config and the device type."""
+    of this module. A pure function of the config, the device type and, on the CPU, its instruction set."""
     m = cfg.model
     cpu = torch.device(device).type == "cpu"
     low = compute_dtype(cfg) in LOW_PRECISION
@@ -71,11 +77,16 @@ def select_kernels(cfg: Config, device: torch.device | str) -> KernelChoice:
         fused = cpu and config_fused_loss_blocker(cfg) is None
     else:
         fused = m.loss_implementation == "fused_linear"
+    if m.cpu_bf16_gemm == "auto":
+        gemm_fp32 = cpu and low and not native_bf16_gemm()
+    else:
+        gemm_fp32 = cpu and low and m.cpu_bf16_gemm == "fp32"
     return KernelChoice(
         attention="eager" if eager else "sdpa",
         attention_upcast=m.attention_precision == "fp32",
         fused_loss=fused,
         expert_row_align=m.moe.cpu_group_align if cpu and low else 1,
+        bf16_gemm_fp32=gemm_fp32,
     )
 
 

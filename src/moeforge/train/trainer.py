@@ -20,6 +20,7 @@ from moeforge.data import DataMeta, ShardedLoader, TokenWindows, bits_per_byte, 
 from moeforge.errors import PreemptedError
 from moeforge.model import MoETransformer, build_model
 from moeforge.model.kernels import KernelChoice, apply_kernels, select_kernels
+from moeforge.ops.bf16_gemm import bf16_gemm_in_fp32
 from moeforge.optim.schedule import lr_at
 from moeforge.parallel.context.attention import without_context_parallel
 from moeforge.parallel.context.chunks import cp_chunks
@@ -138,6 +139,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
+    def gemm_numerics(self) -> Any:
+        """Where the kernel choice says so, bf16 CPU GEMMs computed in fp32 (:mod:`moeforge.ops.bf16_gemm`)."""
+        return bf16_gemm_in_fp32(self.kernels.bf16_gemm_fp32)
+
     def autocast(self) -> Any:
         return torch.autocast(
             self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
@@ -223,7 +228,8 @@ class Trainer:
         """
         cfg = self.cfg
         self.stack.set_lr(lr_at(self.step, cfg.train.max_steps, cfg.optim))
-        result = self._train_step(micro_batches)
+        with self.gemm_numerics():
+            result = self._train_step(micro_batches)
         self.step += 1
         self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
         self.consecutive_skips = self.consecutive_skips + 1 if result.skipped else 0
@@ -237,7 +243,7 @@ class Trainer:
         The eval batch is ``train.micro_batch_size`` sequences in all, split over the
         data-parallel ranks, so every layout scores the same validation windows.
         """
-        with self.model.routing_streams_kept():  # evaluation does not move random routing's training draws
+        with self.gemm_numerics(), self.model.routing_streams_kept():  # eval does not move random routing's draws
             return self._evaluate()
 
     def _evaluate(self) -> dict[str, float]:
@@ -411,6 +417,6 @@ class Trainer:
             self.checkpointer.wait()
             barrier(self.mesh)
             model = load_run_model(self.run_dir).to(self.device)
-        with self.autocast(), without_context_parallel(model), model.routing_streams_kept():  # the whole sequence
+        with self.gemm_numerics(), self.autocast(), without_context_parallel(model), model.routing_streams_kept():
             out = generate(model, ids, max_new_tokens, seed=self.cfg.train.seed)
         return tok.decode(out[0].tolist())
