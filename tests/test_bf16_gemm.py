@@ -91,8 +91,13 @@ def test_nesting_enters_one_mode_and_disabled_enters_none() -> None:
 
 @pytest.mark.parametrize(
     ("setting", "precision", "expected"),
-    [("auto", "bf16", not native_bf16_gemm()), ("auto", "fp32", False), ("fp32", "bf16", True),
-     ("fp32", "fp32", False), ("native", "bf16", False)],
+    [
+        ("auto", "bf16", not native_bf16_gemm()),
+        ("auto", "fp32", False),
+        ("fp32", "bf16", True),
+        ("fp32", "fp32", False),
+        ("native", "bf16", False),
+    ],
 )
 def test_the_rule_is_the_setting_and_the_cpus_instruction_set(setting: str, precision: str, expected: bool) -> None:
     cfg = load_config(None, [f"--model.cpu_bf16_gemm={setting}", f"--train.precision={precision}"])
