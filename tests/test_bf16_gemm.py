@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from moeforge.config import load_config
 from moeforge.model.kernels import select_kernels
 from moeforge.ops.bf16_gemm import Bf16GemmInFp32, bf16_gemm_in_fp32, native_bf16_gemm
 from moeforge.ops.grouped_gemm import grouped_mm
+from moeforge.testing import run_distributed_test
 
 bf16 = torch.bfloat16
 
@@ -71,6 +74,17 @@ def test_grouped_mm_and_its_backward() -> None:
     assert torch.equal(x.grad, x32.grad.to(bf16)) and torch.equal(w.grad, w32.grad.to(bf16))
 
 
+def test_grouped_mm_out_dtype_given_by_name_or_position() -> None:
+    x, w = _r(24, 16), _r(3, 16, 8)
+    offsets = torch.tensor([5, 5, 24], dtype=torch.int32)
+    want = torch._grouped_mm(x.float(), w.float(), offs=offsets)
+    with bf16_gemm_in_fp32():
+        by_name = torch._grouped_mm(x, w, offs=offsets, out_dtype=torch.float32)
+        by_position = torch.ops.aten._grouped_mm.default(x, w, offsets, None, torch.bfloat16)
+    assert by_name.dtype == torch.float32 and torch.equal(by_name, want)
+    assert by_position.dtype == bf16 and torch.equal(by_position, want.to(bf16))
+
+
 def test_fp32_and_other_ops_are_untouched() -> None:
     a, b = torch.randn(20, 30), torch.randn(30, 10)
     h = _r(5, 30)
@@ -103,3 +117,17 @@ def test_the_rule_is_the_setting_and_the_cpus_instruction_set(setting: str, prec
     cfg = load_config(None, [f"--model.cpu_bf16_gemm={setting}", f"--train.precision={precision}"])
     assert select_kernels(cfg, "cpu").bf16_gemm_fp32 is expected
     assert select_kernels(cfg, "meta").bf16_gemm_fp32 is False  # never off the CPU
+
+
+def test_tensor_subclasses_compute_with_plain_tensors_that_the_mode_sees() -> None:
+    """A DTensor's GEMM is handed to DTensor, whose local GEMM the mode then computes in fp32."""
+    run_distributed_test(_dtensor_gemm, world_size=1)
+
+
+def _dtensor_gemm() -> None:
+    mesh = init_device_mesh("cpu", (1,))
+    a, b = _r(33, 40), _r(40, 17)
+    da, db = (distribute_tensor(x, mesh, [Replicate()]) for x in (a, b))
+    with bf16_gemm_in_fp32():
+        got = torch.mm(da, db)
+    assert torch.equal(got.to_local(), _ref(torch.mm, a, b))

@@ -59,7 +59,7 @@ class ModelConfig:
     attention_implementation: Literal["auto", "sdpa", "eager"] = "auto"  # eager: scores made whole; auto: CPU bf16
     loss_implementation: Literal["auto", "default", "fused_linear"] = "auto"  # fused_linear: no whole logits; auto: CPU
     cpu_bf16_gemm: Literal["auto", "native", "fp32"] = "auto"  # fp32: CPU bf16 matmuls from exact fp32 inputs; auto:
-    # where the CPU has no native bf16 GEMM (no AVX512-BF16/AMX), whose fallback is many times slower
+    # where the CPU has no native bf16 GEMM (no bf16 matrix instructions), whose fallback is far slower
     moe: MoEConfig = field(default_factory=MoEConfig)  # the MoE feed-forward (section model.moe)
 
     @property

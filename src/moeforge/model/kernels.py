@@ -16,7 +16,7 @@ The rules follow what the kernels are built for:
 - loss: the LM head fused into the cross-entropy (no whole logits) on the CPU where nothing blocks it; on a
   GPU the head's GEMM and a separate loss kernel.
 - bf16 GEMMs on the CPU: computed in fp32 from the exactly-upcast bf16 inputs and rounded to bf16
-  (:mod:`moeforge.ops.bf16_gemm`) where the CPU has no native bf16 GEMM (no AVX512-BF16 or AMX), whose
+  (:mod:`moeforge.ops.bf16_gemm`) where the CPU has no native bf16 GEMM (no bf16 matrix instructions), whose
   fallback kernel is many times slower than fp32; the products and the fp32 accumulation are a native bf16
   GEMM's. A fixed rule on the CPU's instruction set, so machines of one kind agree.
 - grouped experts: groups padded to ``model.moe.cpu_group_align`` rows on the CPU in bf16/fp16, so the CPU's

@@ -1,6 +1,6 @@
 """bf16 matrix products on CPUs without native bf16 GEMM instructions.
 
-A CPU without AVX512-BF16 or AMX has no bf16 GEMM kernel in torch's oneDNN build: ``mm``, ``bmm`` and
+A CPU without bf16 matrix instructions has no bf16 GEMM kernel in torch's oneDNN build: ``mm``, ``bmm`` and
 ``_grouped_mm`` on bf16 tensors fall back to a generic loop many times slower than the fp32 GEMM on the same
 shapes. :class:`Bf16GemmInFp32` computes each such product in fp32 from the bf16 inputs and rounds the result
 to bf16. The inputs convert to fp32 exactly and a product of two bf16 values is exact in fp32, so this is what a
@@ -20,8 +20,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
+from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
 
@@ -46,13 +50,16 @@ GEMM_OPS = {
 
 @functools.cache
 def native_bf16_gemm() -> bool:
-    """Whether this CPU runs torch's bf16 GEMMs natively (oneDNN with AVX512-BF16 or AMX)."""
+    """Whether the host CPU runs torch's bf16 GEMMs natively (oneDNN's bf16 kernels need bf16 instructions)."""
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(torch.backends.mkldnn.is_available() and probe is not None and probe())
 
 
 def _is_cpu_bf16(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+    return type(x) in _PLAIN and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class Bf16GemmInFp32(TorchDispatchMode):
@@ -62,11 +69,19 @@ class Bf16GemmInFp32(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = dict(kwargs or {})
         functional = GEMM_OPS.get(func.overloadpacket)
-        if functional is None or not any(_is_cpu_bf16(a) for a in (*args, *kwargs.values())):
+        if functional is None:
             return func(*args, **kwargs)
+        tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if any(is_traceable_wrapper_subclass(x) for x in tensors):
+            # DTensor, torchao's MXTensor: the subclass computes with plain tensors, whose GEMMs come back here
+            return NotImplemented
+        if not any(_is_cpu_bf16(x) for x in tensors) or not all(type(x) in _PLAIN for x in tensors):
+            return func(*args, **kwargs)  # no bf16 CPU operand, or fake tensors (nothing is computed)
         out = kwargs.pop("out", None)  # an out= overload
         target = args[0] if func.overloadpacket is not functional.overloadpacket else out  # in place: self
-        out_dtype = kwargs.pop("out_dtype", None)  # _grouped_mm's
+        out_dtype = kwargs.pop("out_dtype", None)  # _grouped_mm's (self, mat2, offs, bias, out_dtype)
+        if func.overloadpacket is aten._grouped_mm and len(args) > 4:
+            args, out_dtype = args[:4], args[4]
         if out_dtype is None:
             out_dtype = target.dtype if target is not None else torch.bfloat16
         up_args, up_kwargs = tree_map(lambda x: x.float() if _is_cpu_bf16(x) else x, (args, kwargs))
