@@ -104,14 +104,15 @@ class GroupedExperts(nn.Module):
         )
 
     def _row_bias(self, bias: Tensor | None, offsets: Tensor, rows: int, dtype: torch.dtype) -> Tensor | None:
-        """``(rows, N)``: each row's expert's bias (rows past the last offset take the last expert's; nothing reads
-        them), or None without biases."""
+        """``(rows, N)``: each row's expert's bias, or None without biases. Rows past the last offset (a rowwise
+        receive buffer's unused capacity, which the GEMMs leave unset) take zeros, so their values, unread
+        forward, send nothing into the biases' gradient."""
         if bias is None:
             return None
         ends = offsets.to(torch.int64)
         expert = torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
         b = local_tensor(bias).to(dtype)
-        return b.index_select(0, expert.clamp_(max=b.shape[0] - 1))
+        return torch.cat([b, b.new_zeros(1, b.shape[1])]).index_select(0, expert)
 
     def _swiglu(self, mm, x: Tensor, w1: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
         h = mm(x, w1.transpose(-2, -1), offsets)
