@@ -32,11 +32,16 @@ class MoEConfig:
     expert_impl: Literal["grouped", "loop"] = "grouped"  # grouped GEMM over all experts, or a loop per expert
     cpu_group_align: int = 64  # CPU, bf16/fp16: pad each expert's rows to a multiple (oneDNN reuses kernels); 1: off
     random_routing: bool = False  # TEST/BENCH ONLY: route uniformly at random (perfect balance on average)
+    router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    expert_proj_bias: bool = False  # biases on every expert's gate/up and down projections (gpt-oss)
+    expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"  # clamped_swiglu: gpt-oss's (up + 1) * glu
+    swiglu_alpha: float = 1.702  # clamped_swiglu: glu = gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate clamped to <= limit, up to [-limit, limit]
 
 
 @dataclass
 class ModelConfig:
-    """Decoder-only MoE transformer (OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE family)."""
+    """Decoder-only MoE transformer (OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE / gpt-oss family)."""
 
     vocab_size: int = 0  # 0: taken from the prepared data's tokenizer
     d_model: int = 256  # residual stream width
@@ -47,6 +52,10 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base
     qk_norm: Literal["none", "full", "per_head"] = "none"  # RMSNorm of q and k: whole projection (OLMoE) or per head
     attn_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
+    attn_out_bias: bool = False  # a bias on the attention output projection (gpt-oss)
+    attn_sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss attention sinks)
+    sliding_window: int = 0  # > 0: a query of a layer in sliding_layers sees this many keys, itself included
+    sliding_layers: list[int] = field(default_factory=list)  # layers with sliding-window attention (gpt-oss: even)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # share the input embedding and the output projection
     dense_layers: list[int] = field(default_factory=list)  # layer indices with a dense SwiGLU instead of MoE

@@ -62,6 +62,41 @@ def _check_low_precision(cfg: Config) -> None:
     )
 
 
+def check_gpt_oss_features(cfg: Config) -> None:
+    """Sliding windows, attention sinks and gpt-oss's experts: their values, and the layouts they cannot run in."""
+    m, moe, p = cfg.model, cfg.model.moe, cfg.parallel
+    _check(m.sliding_window >= 0, "model.sliding_window", f"must be >= 0 (0: off), got {m.sliding_window}")
+    for i in m.sliding_layers:
+        _check(0 <= i < m.n_layers, "model.sliding_layers", f"holds layer {i}, outside 0..{m.n_layers - 1}")
+    _check(
+        bool(m.sliding_layers) == (m.sliding_window > 0),
+        "model.sliding_layers",
+        f"needs model.sliding_window > 0 and at least one layer together (got window {m.sliding_window}, "
+        f"layers {m.sliding_layers}); set both or neither",
+    )
+    masked = m.sliding_window > 0 or m.attn_sinks
+    _check(
+        not masked or p.cp == 1,
+        "parallel.cp",
+        "ring attention has no sliding window or attention sinks yet: use parallel.cp=1 with model.sliding_window "
+        "or model.attn_sinks",
+    )
+    _check(
+        not (m.attn_sinks or m.attn_out_bias) or p.tp == 1,
+        "parallel.tp",
+        "tensor parallelism does not split attention sinks or the output projection's bias yet: use parallel.tp=1 "
+        "with model.attn_sinks or model.attn_out_bias",
+    )
+    if moe.expert_activation == "clamped_swiglu":
+        _check(moe.swiglu_limit > 0, "model.moe.swiglu_limit", f"must be > 0, got {moe.swiglu_limit}")
+    _check(
+        not (moe.expert_proj_bias or moe.expert_activation != "swiglu") or cfg.train.precision in ("fp32", "bf16"),
+        "train.precision",
+        f"{cfg.train.precision} quantizes the plain SwiGLU experts only: use fp32 or bf16 with "
+        "model.moe.expert_proj_bias or model.moe.expert_activation=clamped_swiglu",
+    )
+
+
 def fused_loss_blocker(model: ModelConfig, tp: int = 1, pp: int = 1, lowp_head: bool = False) -> str | None:
     """Why ``model.loss_implementation=fused_linear`` cannot run with this head, as ``field: fix``; None when it can.
 
@@ -135,6 +170,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "jitter_eps"):
         _check(getattr(moe, name) >= 0, f"model.moe.{name}", "must be >= 0")
     _check(moe.capacity_factor > 0, "model.moe.capacity_factor", "must be > 0")
+    check_gpt_oss_features(cfg)
     _check(moe.shared_expert_hidden >= 0, "model.moe.shared_expert_hidden", "must be >= 0")
     _check(
         not moe.shared_expert_gate or moe.shared_expert_hidden > 0,

@@ -40,7 +40,9 @@ class KVCache:
 class Attention(nn.Module):
     """Causal GQA. ``qk_norm``: 'full' normalises the whole projection (OLMoE), 'per_head' each head (Qwen3).
 
-    ``attn_bias`` adds biases to the q/k/v projections (Qwen2-MoE). ``attention_fn``, when set (by
+    ``attn_bias`` adds biases to the q/k/v projections (Qwen2-MoE), ``attn_out_bias`` to the output one;
+    ``attn_sinks`` adds a learned logit per head to each softmax's denominator and ``sliding_window`` limits the
+    layers of ``sliding_layers`` to that many keys per query (gpt-oss). ``attention_fn``, when set (by
     a ``parallelize_*`` function, e.g. context parallelism), replaces the causal SDPA core without a cache.
     ``upcast`` computes a bf16 SDPA core in fp32 (``model.attention_precision``); ``eager`` makes the causal core
     :func:`~moeforge.ops.eager_attention.eager_attention` (``model.attention_implementation``)."""
@@ -49,11 +51,14 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.dim_head
-        bias = cfg.attn_bias  # q/k/v biases (Qwen2-MoE); the output projection never has one
+        bias = cfg.attn_bias  # q/k/v biases (Qwen2-MoE, gpt-oss)
         self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.hd, bias=bias)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=bias)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=cfg.attn_out_bias)  # gpt-oss has one
+        # gpt-oss: a sliding window on some layers, and a learned sink logit per head in every softmax
+        self.window = cfg.sliding_window if layer_idx in cfg.sliding_layers else 0
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.attn_sinks else None
         self.qk_norm = cfg.qk_norm
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -89,5 +94,15 @@ class Attention(nn.Module):
         if T > 1 and not causal:
             raise ValueError("prefill into a non-empty KV cache is not supported; feed one token at a time")
         gqa = self.n_kv != self.n_heads
-        out = sdpa(q, k, v, is_causal=causal, enable_gqa=gqa, upcast=self.upcast, eager=self.eager)
+        out = sdpa(
+            q,
+            k,
+            v,
+            is_causal=causal,
+            enable_gqa=gqa,
+            upcast=self.upcast,
+            eager=self.eager,
+            window=self.window,
+            sinks=self.sinks,
+        )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))

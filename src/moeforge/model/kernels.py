@@ -11,7 +11,9 @@ The rules follow what the kernels are built for:
 - attention: eager attention (:func:`~moeforge.ops.eager_attention.eager_attention`, the scores made whole with
   an fp32 softmax) on the CPU for bf16/fp16 compute up to
   :data:`~moeforge.ops.eager_attention.EAGER_MAX_SEQ` positions, where torch's CPU flash attention spends most
-  of its time in backward; torch's SDPA everywhere else (flash attention on a GPU). ``auto`` precision keeps
+  of its time in backward, and in any precision for a model with sliding windows or attention sinks (gpt-oss),
+  which torch's SDPA takes through an explicit mask only; torch's SDPA everywhere else (flash attention on a
+  GPU, a masked SDPA for windows and sinks). ``auto`` precision keeps
   the inputs' precision.
 - loss: the LM head fused into the cross-entropy (no whole logits) on the CPU where nothing blocks it; on a
   GPU the head's GEMM and a separate loss kernel.
@@ -70,7 +72,10 @@ def select_kernels(cfg: Config, device: torch.device | str) -> KernelChoice:
     low = compute_dtype(cfg) in LOW_PRECISION
     seq = cfg.data.seq_len // cfg.parallel.cp  # what one rank's attention sees
     if m.attention_implementation == "auto":
-        eager = cpu and low and seq <= EAGER_MAX_SEQ and cfg.parallel.cp == 1
+        # a sliding window or sinks make torch's SDPA take an explicit mask (its math kernel, scores made whole):
+        # eager attention computes the same with the masked part skipped, in any precision
+        masked = m.sliding_window > 0 or m.attn_sinks
+        eager = cpu and (low or masked) and seq <= EAGER_MAX_SEQ and cfg.parallel.cp == 1
     else:
         eager = m.attention_implementation == "eager"
     if m.loss_implementation == "auto":

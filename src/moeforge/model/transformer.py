@@ -139,7 +139,7 @@ class MoETransformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "experts.b1", "experts.b2")):
                 p.zero_()
             elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
                 p.normal_(0.0, out_std, generator=generator)

@@ -90,3 +90,13 @@ def swiglu(h: Tensor, reuse_input: bool = False) -> Tensor:
         return swiglu_reference(h)
     rows = cpu_block_rows(h) if h.device.type == "cpu" else max(1, h.shape[0])
     return _SwiGLU.apply(h, rows, reuse_input)
+
+
+def clamped_swiglu(h: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's expert activation on the fused ``h: (rows, 2F)`` (gate half first, then up):
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``, differentiated
+    by autograd (the clamps pass no gradient where they cut)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

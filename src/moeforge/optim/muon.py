@@ -72,6 +72,8 @@ def muon_param_groups(model: nn.Module, weight_decay: float, expert_lr_scale: fl
             continue
         if role == NO_DECAY:
             adam_no_decay.append(p)
+        elif id(p) in experts and p.ndim < 3:  # experts' biases (E, N): no matrices to orthogonalise
+            adam.append(p)
         elif id(p) in w1s:
             w1.append(p)
         elif id(p) in experts:

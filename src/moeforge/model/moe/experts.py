@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from moeforge.ops import grouped_mm, grouped_mm_loop
 from moeforge.ops.grouped_gemm import CPU_GROUP_ALIGN, aligned_groups, can_wgrad_in_place, grouped_mm_wgrad_in_place
-from moeforge.ops.swiglu import swiglu
+from moeforge.ops.swiglu import clamped_swiglu, swiglu
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -27,10 +27,23 @@ class GroupedExperts(nn.Module):
     When expert parallelism shards the weights, only the local experts are used.
     ``gemm``, when set (``moeforge.parallel.low_precision``), replaces both grouped
     GEMMs: ``gemm(x, w_t, offsets)`` with ``w_t`` the transposed ``(E, N, K)`` weight.
+
+    gpt-oss's experts: ``bias`` adds ``b1: (E, 2F)`` after the gate/up GEMM and ``b2: (E, D)`` after the down
+    GEMM, each row its own expert's; ``activation='clamped_swiglu'`` is
+    :func:`~moeforge.ops.swiglu.clamped_swiglu` with ``alpha`` and ``limit``.
     """
 
     def __init__(
-        self, num_experts: int, d_model: int, hidden: int, impl: str = "grouped", cpu_align: int = CPU_GROUP_ALIGN
+        self,
+        num_experts: int,
+        d_model: int,
+        hidden: int,
+        impl: str = "grouped",
+        cpu_align: int = CPU_GROUP_ALIGN,
+        bias: bool = False,
+        activation: str = "swiglu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
     ) -> None:
         super().__init__()
         self.num_experts, self.d_model, self.hidden, self.impl = num_experts, d_model, hidden, impl
@@ -39,6 +52,11 @@ class GroupedExperts(nn.Module):
         self.cpu_align_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.b1 = nn.Parameter(torch.zeros(num_experts, 2 * hidden)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
+        if activation not in ("swiglu", "clamped_swiglu"):
+            raise ValueError(f"model.moe.expert_activation: must be swiglu or clamped_swiglu, got {activation!r}")
+        self.activation, self.alpha, self.limit = activation, alpha, limit
         self.gemm: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
         self.wgrad_in_place = False
 
@@ -65,7 +83,7 @@ class GroupedExperts(nn.Module):
         if self.gemm is not None:  # a low-precision GEMM installed by parallel code (it pads groups itself)
             return self._swiglu(self.gemm, x, w1, w2, offsets)
         align = 1 if aligned else self.row_alignment(x)
-        if self._use_wgrad_in_place(x, align):
+        if self._use_wgrad_in_place(x, align) and self.b1 is None and self.activation == "swiglu":
             h = grouped_mm_wgrad_in_place(x, self.w1, offsets)
             return grouped_mm_wgrad_in_place(swiglu(h, reuse_input=True), self.w2, offsets)
         if align > 1 and x.shape[0]:
@@ -85,8 +103,29 @@ class GroupedExperts(nn.Module):
             and can_wgrad_in_place(x, self.w2)
         )
 
-    @staticmethod
-    def _swiglu(mm, x: Tensor, w1: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
+    def _row_bias(self, bias: Tensor | None, offsets: Tensor, rows: int, dtype: torch.dtype) -> Tensor | None:
+        """``(rows, N)``: each row's expert's bias, or None without biases. Rows past the last offset (a rowwise
+        receive buffer's unused capacity, which the GEMMs leave unset) take zeros, so their values, unread
+        forward, send nothing into the biases' gradient."""
+        if bias is None:
+            return None
+        ends = offsets.to(torch.int64)
+        expert = torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
+        b = local_tensor(bias).to(dtype)
+        return torch.cat([b, b.new_zeros(1, b.shape[1])]).index_select(0, expert)
+
+    def _swiglu(self, mm, x: Tensor, w1: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
         h = mm(x, w1.transpose(-2, -1), offsets)
-        # h, the gate/up product, is read by the SwiGLU alone: its backward writes the gradient into h's storage
-        return mm(swiglu(h, reuse_input=True), w2.transpose(-2, -1), offsets)
+        if self.b1 is None and self.activation == "swiglu":
+            # h, the gate/up product, is read by the SwiGLU alone: its backward writes the gradient into h's storage
+            return mm(swiglu(h, reuse_input=True), w2.transpose(-2, -1), offsets)
+        b1 = self._row_bias(self.b1, offsets, x.shape[0], h.dtype)
+        if b1 is not None:
+            h = h + b1
+        if self.activation == "clamped_swiglu":
+            a = clamped_swiglu(h, self.alpha, self.limit)
+        else:
+            a = swiglu(h, reuse_input=b1 is not None)
+        out = mm(a.to(h.dtype), w2.transpose(-2, -1), offsets)
+        b2 = self._row_bias(self.b2, offsets, x.shape[0], out.dtype)
+        return out if b2 is None else out + b2

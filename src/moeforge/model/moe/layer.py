@@ -24,7 +24,17 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = TopKRouter(d_model, cfg, layer_idx, seed)
-        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.expert_impl, cfg.cpu_group_align)
+        self.experts = GroupedExperts(
+            cfg.num_experts,
+            d_model,
+            cfg.expert_hidden,
+            cfg.expert_impl,
+            cfg.cpu_group_align,
+            bias=cfg.expert_proj_bias,
+            activation=cfg.expert_activation,
+            alpha=cfg.swiglu_alpha,
+            limit=cfg.swiglu_limit,
+        )
         self.shared_expert = SwiGLU(d_model, cfg.shared_expert_hidden) if cfg.shared_expert_hidden else None
         self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)

@@ -43,6 +43,8 @@ class TopKRouter(nn.Module):
         self.cfg = cfg
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
+        # a learned bias on the logits (gpt-oss), unlike expert_bias, which moves the selection only
+        self.bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.router_bias else None
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
         self.base_seed = seed * 1000 + layer_idx
         self.random_seed = self.base_seed
@@ -94,7 +96,7 @@ class TopKRouter(nn.Module):
         if self.training and self.cfg.jitter_eps > 0:
             x = x * torch.empty_like(x).uniform_(1 - self.cfg.jitter_eps, 1 + self.cfg.jitter_eps)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         # the softmax router's weights and losses in one autograd node (ops.router_scores): probs without autograd
         fused = self.cfg.score_func == "softmax" and self.token_stats_reduce is None and x.shape[0] > 0
         if fused:

@@ -82,6 +82,9 @@ def parallelize_experts(
         if shard:
             layer.experts.w1 = _shard_param(layer.experts.w1, mesh)
             layer.experts.w2 = _shard_param(layer.experts.w2, mesh)
+            if layer.experts.b1 is not None and layer.experts.b2 is not None:  # gpt-oss: each expert's biases
+                layer.experts.b1 = _shard_param(layer.experts.b1, mesh)
+                layer.experts.b2 = _shard_param(layer.experts.b2, mesh)
         layer.dispatcher = make_dispatcher(layer, mesh, dispatcher, overlap_chunks)
     if layers:
         logger.info(
