@@ -20,7 +20,7 @@ log = logging.getLogger("moeforge")
 USAGE_ERROR = USAGE
 
 #: ``moeforge convert --to hf --flavor`` choices (the keys of moeforge.interop.hf_config.ARCHITECTURES).
-HF_FLAVORS = ["olmoe", "qwen3_moe", "mixtral", "qwen2_moe"]
+HF_FLAVORS = ["olmoe", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3"]
 
 
 def _setup_logging(level: str = "INFO") -> None:

@@ -1,4 +1,5 @@
-"""Import and export Hugging Face ``transformers`` checkpoints of OLMoE, Qwen3-MoE, Mixtral and Qwen2-MoE.
+"""Import and export Hugging Face ``transformers`` checkpoints of OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE and
+DeepSeek-V3 (whose own parts are in :mod:`moeforge.interop.hf_deepseek_v3`).
 
 ``from_hf(path)`` reads ``config.json`` and the safetensors files (one file or
 shards listed by ``model.safetensors.index.json``) straight from disk, with no
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from moeforge.config import ModelConfig
 from moeforge.interop.hf_config import config_from_hf, config_to_hf
+from moeforge.interop.hf_deepseek_v3 import deepseek_v3_tensors_from_hf, deepseek_v3_tensors_to_hf
 from moeforge.interop.safetensors_io import full_state_dict, load_state_checked, save_file_umask
 from moeforge.model import MoETransformer
 
@@ -123,9 +125,11 @@ def hf_to_moeforge_state_dict(tensors: dict[str, Tensor], cfg: ModelConfig) -> d
 
 
 def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransformer:
-    """Load an OLMoE, Qwen3-MoE, Mixtral or Qwen2-MoE (``*ForCausalLM``) checkpoint directory into moeforge."""
+    """Load an OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE or DeepSeek-V3 (``*ForCausalLM``) checkpoint directory."""
     config, tensors = read_hf_checkpoint(path)
     cfg = config_from_hf(config)
+    if config.get("model_type") == "deepseek_v3":
+        tensors = deepseek_v3_tensors_from_hf(tensors, config, cfg)
     state = hf_to_moeforge_state_dict(tensors, cfg)
     model = MoETransformer(cfg).to(dtype)
     load_state_checked(model, state, f"from_hf: checkpoint {path}")
@@ -170,21 +174,23 @@ def moeforge_to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig, flavor
 def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str, writer: bool = True) -> Path:
     """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
 
-    ``flavor`` is 'olmoe', 'qwen3_moe', 'mixtral' or 'qwen2_moe'. With DTensor (expert-parallel)
+    ``flavor`` is 'olmoe', 'qwen3_moe', 'mixtral', 'qwen2_moe' or 'deepseek_v3'. With DTensor (expert-parallel)
     parameters call it on every rank (the full tensors are gathered collectively) with
     ``writer=True`` on rank 0 only.
     """
     cfg = model.cfg
     hf_config = config_to_hf(cfg, flavor)
     state = full_state_dict(model)
-    if cfg.moe.bias_update_rate > 0:
+    if flavor != "deepseek_v3":
         biased = [k for k, v in state.items() if k.endswith("router.expert_bias") and bool(v.any())]
         if biased:
             raise ValueError(
-                f"to_hf: {biased[0]} is non-zero (model.moe.bias_update_rate > 0): Hugging Face routers "
+                f"to_hf: {biased[0]} is non-zero (model.moe.bias_update_rate > 0): {flavor}'s routers "
                 "have no selection bias, so the exported model would route differently"
             )
     tensors = moeforge_to_hf_state_dict(state, cfg, flavor)
+    if flavor == "deepseek_v3":
+        tensors = deepseek_v3_tensors_to_hf(tensors, state, cfg)
     dtype = str(state["embed_tokens.weight"].dtype).removeprefix("torch.")
     hf_config["dtype"] = hf_config["torch_dtype"] = dtype
     out = Path(out_dir)

@@ -1,4 +1,5 @@
-"""Map Hugging Face ``config.json`` of OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE to :class:`ModelConfig` and back.
+"""Map Hugging Face ``config.json`` of OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE / DeepSeek-V3 to :class:`ModelConfig`
+and back (DeepSeek-V3 in :mod:`moeforge.interop.hf_deepseek_v3`).
 
 Only what moeforge computes identically is accepted: a field that would change
 the forward pass in a way moeforge does not implement (OLMoE's attention bias, QKV
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from moeforge.config import ModelConfig, MoEConfig
+from moeforge.interop.hf_deepseek_v3 import config_from_hf_deepseek_v3, config_to_hf_deepseek_v3
 
 #: Hugging Face ``model_type`` -> the architecture name written into ``config.json``.
 ARCHITECTURES: dict[str, str] = {
@@ -19,6 +21,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 #: Default ``rms_norm_eps`` of each model type when config.json omits it.
@@ -109,6 +112,8 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         raise ValueError(
             f"config.json: model_type={model_type!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
         )
+    if model_type == "deepseek_v3":
+        return config_from_hf_deepseek_v3(d)
     _check_common(d)
     d_model = int(_require(d, "hidden_size"))
     n_heads = int(_require(d, "num_attention_heads"))
@@ -191,6 +196,8 @@ def _check_exportable(cfg: ModelConfig, flavor: str) -> None:
 
     if flavor not in ARCHITECTURES:
         raise ValueError(f"to_hf: flavor must be one of {sorted(ARCHITECTURES)}, got {flavor!r}")
+    if cfg.attention_type != "mha":
+        raise bad("model.attention_type", cfg.attention_type, "latent attention exports as deepseek_v3")
     if moe.score_func != "softmax":
         raise bad("model.moe.score_func", moe.score_func, "these Hugging Face models route by softmax")
     if moe.n_groups != 1:
@@ -226,6 +233,8 @@ def _check_exportable(cfg: ModelConfig, flavor: str) -> None:
 
 def config_to_hf(cfg: ModelConfig, flavor: str) -> dict[str, Any]:
     """The ``config.json`` dict of ``flavor`` (a key of :data:`ARCHITECTURES`) for a moeforge model config."""
+    if flavor == "deepseek_v3":
+        return config_to_hf_deepseek_v3(cfg)
     _check_exportable(cfg, flavor)
     moe = cfg.moe
     d: dict[str, Any] = {

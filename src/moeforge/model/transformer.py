@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from moeforge.config import ModelConfig
 from moeforge.model.attention import Attention, KVCache
 from moeforge.model.layers import RMSNorm, SwiGLU, rope_tables
+from moeforge.model.mla import MLAttention
 from moeforge.model.moe.layer import MoELayer
 from moeforge.ops.cross_entropy import linear_cross_entropy
 
@@ -22,7 +23,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, seed: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(cfg, layer_idx) if cfg.attention_type == "mla" else Attention(cfg, layer_idx)
+        )
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = layer_idx not in cfg.dense_layers
         self.mlp: nn.Module = (
@@ -62,7 +65,7 @@ class MoETransformer(nn.Module):
             positions = self.positions_fn(T, input_ids.device)
         else:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
-        cos, sin = rope_tables(self.cfg.dim_head, positions, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg.rope_dim, positions, self.cfg.rope_theta)
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         for block in self.blocks():
             h = block(h, cos, sin, cache)
