@@ -18,6 +18,8 @@ from moeforge.model import KVCache, build_model
 from moeforge.model.kernels import apply_kernels, select_kernels
 from moeforge.model.mla import MLAttention, mla_core
 from moeforge.model.moe.router import TopKRouter
+from moeforge.model.params import param_counts
+from moeforge.plan.flops import attention_head_widths, flops_per_token
 from moeforge.train.generate import generate
 
 
@@ -146,3 +148,26 @@ def test_routed_scaling_factor_scales_the_combine_weights(score_func):
     assert torch.equal(outs[0].indices, outs[1].indices)
     torch.testing.assert_close(outs[1].weights, 2.5 * outs[0].weights)
     torch.testing.assert_close(outs[1].weights.sum(-1), torch.full((5,), 2.5))  # renormalised, then scaled
+
+
+def test_parameter_and_flop_counts_of_latent_attention():
+    cfg = _cfg()
+    m, d, H, L, V = cfg.mla, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size
+    dq = m.qk_nope_head_dim + m.qk_rope_head_dim
+    # the projections by hand: q_a, its norm, q_b; kv_a_proj_with_mqa, its norm, kv_b; o
+    attn = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * dq
+    attn += d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    attn += m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim) + H * m.v_head_dim * d
+    moe, dense = cfg.moe, 3 * d * cfg.dense_hidden
+    moe_ffn = moe.num_experts * 3 * d * moe.expert_hidden + 3 * d * moe.shared_expert_hidden + moe.num_experts * d
+    norms = 2 * d
+    total = 2 * V * d + d + L * (attn + norms) + dense + moe_ffn
+    counts = param_counts(cfg)  # counted on the meta device
+    assert counts["total"] == total == sum(p.numel() for p in build_model(cfg).parameters())
+    seq = 64
+    matmul = L * (attn - m.q_lora_rank - m.kv_lora_rank) + dense + moe_ffn
+    matmul -= (moe.num_experts - moe.top_k) * 3 * d * moe.expert_hidden  # only top_k routed experts per token
+    assert counts["active_matmul_non_embedding"] == matmul
+    want = 6 * matmul + 6 * d * V + 6 * L * H * (dq + m.v_head_dim) * seq
+    assert flops_per_token(cfg, seq) == want
+    assert attention_head_widths(cfg) == (dq, m.v_head_dim)
