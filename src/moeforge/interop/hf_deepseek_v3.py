@@ -25,6 +25,10 @@ import torch
 from torch import Tensor
 
 from moeforge.config import MLAConfig, ModelConfig, MoEConfig
+from moeforge.interop.hf_fields import check_common as _check_common
+from moeforge.interop.hf_fields import require as _require
+from moeforge.interop.hf_fields import rope_theta as _rope_theta
+from moeforge.interop.hf_fields import unsupported as _unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +38,6 @@ _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 def config_from_hf_deepseek_v3(d: dict[str, Any]) -> ModelConfig:
     """The :class:`ModelConfig` of a ``deepseek_v3`` ``config.json`` dict; ``ValueError`` naming any field that
     moeforge does not compute identically."""
-    # hf_config imports this module lazily (it dispatches here), so its helpers come from it at call time
-    from moeforge.interop.hf_config import _check_common, _require, _rope_theta, _unsupported
-
     _check_common(d)
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
         if d.get(key) not in (None, want):
