@@ -1,8 +1,8 @@
 """configs/deepseek_v3_tiny.yaml trains: a few fp32 steps of its model on two plays of the embedded corpus.
 
 The model is the config's (latent attention, a dense first layer, a shared expert, group-limited sigmoid
-routing with routed scaling and the loss-free bias); only the data, the sequence length and the schedule are
-cut so that it runs in seconds.
+routing with routed scaling and the loss-free bias, multi-token prediction); only the data, the sequence
+length and the schedule are cut so that it runs in seconds.
 """
 
 from __future__ import annotations
@@ -46,11 +46,15 @@ def test_deepseek_v3_tiny_config_trains_and_its_loss_falls(tmp_path: Path) -> No
     m = cfg.model
     assert m.attention_type == "mla" and m.mla.q_lora_rank > 0 and m.dense_layers == [0]
     assert m.moe.n_groups > 1 and m.moe.group_score == "top2_sum" and m.moe.shared_expert_hidden > 0
+    assert m.mtp_depth == 1
     trainer = Trainer(cfg)
-    assert sum(isinstance(mod, MLAttention) for mod in trainer.model.modules()) == m.n_layers
+    assert sum(isinstance(mod, MLAttention) for mod in trainer.model.modules()) == m.n_layers + m.mtp_depth
     final = trainer.fit()
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "grad_norm" in r]
+    records = [r for r in read_metrics(tmp_path / "run") if "grad_norm" in r]
+    losses = [r["loss"] for r in records]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+    # the loss carries the MTP term (0.3 x a cross-entropy of a few nats) beside the tiny aux loss
+    assert all(r["loss"] - r["lm_loss"] > 0.3 for r in records)
     assert min(losses[-3:]) < 0.85 * losses[0], losses
     assert math.isfinite(final["val_loss"])
     biases = [layer.router.expert_bias for layer in trainer.model.moe_layers()]

@@ -75,6 +75,8 @@ class ModelConfig:
     cpu_bf16_gemm: Literal["auto", "native", "fp32"] = "auto"  # fp32: CPU bf16 matmuls from exact fp32 inputs; auto:
     # where the CPU has no native bf16 GEMM (no AVX512-BF16/AMX), whose fallback is many times slower
     moe: MoEConfig = field(default_factory=MoEConfig)  # the MoE feed-forward (section model.moe)
+    mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3: 1), each predicting one more token ahead
+    mtp_loss_weight: float = 0.3  # the MTP loss is this times the mean of the modules' cross-entropies
     attention_type: Literal["mha", "mla"] = "mha"  # mha: grouped-query attention; mla: latent attention (model.mla)
     mla: MLAConfig = field(default_factory=MLAConfig)  # multi-head latent attention (section model.mla)
 

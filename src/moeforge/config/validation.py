@@ -96,6 +96,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     for i in m.dense_layers:
         _check(0 <= i < m.n_layers, "model.dense_layers", f"layer {i} is outside 0..{m.n_layers - 1}")
     _check(m.init_std > 0, "model.init_std", "must be > 0")
+    check_mtp(cfg)
     _check(m.logit_softcap >= 0, "model.logit_softcap", f"must be >= 0 (0: off), got {m.logit_softcap}")
     _check(moe.num_experts >= 1, "model.moe.num_experts", f"must be >= 1, got {moe.num_experts}")
     _check(moe.top_k >= 1, "model.moe.top_k", f"must be >= 1, got {moe.top_k}")
@@ -270,6 +271,27 @@ def _check_heads(m: ModelConfig) -> None:
         "model.n_kv_heads",
         f"must divide model.n_heads ({m.n_heads}), got {m.kv_heads}",
     )
+
+
+def check_mtp(cfg: Config) -> None:
+    """Multi-token prediction (``model.mtp_depth``): its weight, and the layouts that run it."""
+    m, p = cfg.model, cfg.parallel
+    _check(m.mtp_depth >= 0, "model.mtp_depth", f"must be >= 0 (0: off), got {m.mtp_depth}")
+    _check(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", f"must be >= 0, got {m.mtp_loss_weight}")
+    if m.mtp_depth == 0:
+        return
+    _check(
+        cfg.data.seq_len > m.mtp_depth,
+        "model.mtp_depth",
+        f"depth {m.mtp_depth} leaves no position to predict in data.seq_len={cfg.data.seq_len}",
+    )
+    for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
+        _check(
+            value == 1,
+            name,
+            f"is {value}, but multi-token prediction runs on one stage over whole sequences yet; "
+            "set it to 1 or model.mtp_depth=0",
+        )
 
 
 def check_mla(cfg: Config) -> None:

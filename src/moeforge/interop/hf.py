@@ -181,6 +181,10 @@ def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str, writer: bool 
     cfg = model.cfg
     hf_config = config_to_hf(cfg, flavor)
     state = full_state_dict(model)
+    mtp = [k for k in state if k.startswith("mtp.")]
+    if mtp:  # the Hugging Face models run without them; their logits are the main model's alone
+        logger.warning("to_hf: the %d multi-token-prediction tensors (model.mtp_depth) are not exported", len(mtp))
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     if flavor != "deepseek_v3":
         biased = [k for k, v in state.items() if k.endswith("router.expert_bias") and bool(v.any())]
         if biased:
