@@ -7,11 +7,14 @@ Run: PYTHONPATH=src:. python benchmarks/probes/dsv3_parity.py OUT.json
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+import transformers
 
 from moeforge.interop import from_hf, to_hf
 from tests.test_hf_deepseek_v3 import _deepseek
@@ -24,7 +27,11 @@ CASES = {
 
 @torch.no_grad()
 def main(out: str) -> None:
-    results: dict = {"parity": {}}
+    git = ["git", "-C", str(Path(__file__).resolve().parent)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
+    results: dict = {"commit": commit, "dirty": dirty, "torch": torch.__version__, "transformers": transformers.__version__}
+    results["parity"] = {}
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     for name, overrides in CASES.items():
         hf = _deepseek(**overrides)
