@@ -14,7 +14,17 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
 def test_every_field_has_a_type_default_and_doc() -> None:
     found = sections()
-    assert [s.path for s in found] == ["", "model", "model.moe", "data", "optim", "train", "parallel", "logging"]
+    assert [s.path for s in found] == [
+        "",
+        "model",
+        "model.moe",
+        "model.mla",
+        "data",
+        "optim",
+        "train",
+        "parallel",
+        "logging",
+    ]
     undocumented = [f"{s.path}.{f.name}" for s in found for f in s.fields if not f.doc]
     assert not undocumented, f"add a trailing '# ...' comment to these fields in config/sections.py: {undocumented}"
     names = {f"{s.path}.{f.name}" for s in found for f in s.fields}

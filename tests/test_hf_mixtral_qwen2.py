@@ -191,7 +191,7 @@ def test_export_rejects_what_the_new_flavors_cannot_express(tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"model\.moe\.norm_topk_prob"):
         to_hf(unnormed, tmp_path, "mixtral")
     with pytest.raises(ValueError, match="flavor must be one of"):
-        to_hf(unnormed, tmp_path, "deepseek_v3")
+        to_hf(unnormed, tmp_path, "jamba")
     capped = _ours("mixtral", 0)
     capped.cfg.logit_softcap = 30.0
     with pytest.raises(ValueError, match=r"model\.logit_softcap"):

@@ -193,7 +193,7 @@ def _config_dict(model) -> dict:
     [
         ("olmoe", dict(attention_bias=True), "attention_bias"),
         ("olmoe", dict(clip_qkv=8.0), "clip_qkv"),
-        ("olmoe", dict(model_type="deepseek_v3"), "model_type"),
+        ("olmoe", dict(model_type="jamba"), "model_type"),
         ("qwen3", dict(use_sliding_window=True), "use_sliding_window"),
         ("qwen3", dict(hidden_act="gelu"), "hidden_act"),
         ("qwen3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "rope_type"),

@@ -20,7 +20,7 @@ log = logging.getLogger("moeforge")
 USAGE_ERROR = USAGE
 
 #: ``moeforge convert --to hf --flavor`` choices (the keys of moeforge.interop.hf_config.ARCHITECTURES, then gpt-oss).
-HF_FLAVORS = ["olmoe", "qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"]
+HF_FLAVORS = ["olmoe", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]
 
 
 def _setup_logging(level: str = "INFO") -> None:

@@ -21,6 +21,9 @@ class MoEConfig:
     norm_topk_prob: bool = False  # renormalise the top-k scores to sum to 1 (Mixtral, some Qwen)
     n_groups: int = 1  # expert groups for group-limited routing (1: off)
     topk_groups: int = 1  # groups a token may pick its experts from (group-limited routing)
+    group_score: Literal["max", "top2_sum"] = "max"  # a group's rank: its best expert's score, or its best two's sum
+    # (DeepSeek-V3); both on the bias-corrected scores
+    routed_scaling_factor: float = 1.0  # the routed experts' combine weights are scaled by this (DeepSeek-V3: 2.5)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss E * sum_i f_i * P_i
     z_loss_coef: float = 0.001  # weight of the router z-loss (mean squared logsumexp of the logits)
     bias_update_rate: float = 0.0  # aux-loss-free balancing: step of the per-expert selection bias (0: off)
@@ -40,8 +43,19 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3), used where ``model.attention_type`` is ``mla``."""
+
+    q_lora_rank: int = 0  # rank of the query's low-rank compression (0: a plain query projection)
+    kv_lora_rank: int = 64  # width of the compressed key-value latent (what the generation cache holds)
+    qk_nope_head_dim: int = 32  # per-head query/key features without RoPE (from the latent)
+    qk_rope_head_dim: int = 16  # per-head query/key features with RoPE (the key part shared by all heads)
+    v_head_dim: int = 32  # per-head value width
+
+
+@dataclass
 class ModelConfig:
-    """Decoder-only MoE transformer (OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE / gpt-oss family)."""
+    """Decoder-only MoE transformer (OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE / DeepSeek-V3 / gpt-oss family)."""
 
     vocab_size: int = 0  # 0: taken from the prepared data's tokenizer
     d_model: int = 256  # residual stream width
@@ -70,6 +84,10 @@ class ModelConfig:
     cpu_bf16_gemm: Literal["auto", "native", "fp32"] = "auto"  # fp32: CPU bf16 matmuls from exact fp32 inputs; auto:
     # where the CPU has no native bf16 GEMM (no bf16 matrix instructions), whose fallback is far slower
     moe: MoEConfig = field(default_factory=MoEConfig)  # the MoE feed-forward (section model.moe)
+    mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3: 1), each predicting one more token ahead
+    mtp_loss_weight: float = 0.3  # the MTP loss is this times the mean of the modules' cross-entropies
+    attention_type: Literal["mha", "mla"] = "mha"  # mha: grouped-query attention; mla: latent attention (model.mla)
+    mla: MLAConfig = field(default_factory=MLAConfig)  # multi-head latent attention (section model.mla)
 
     @property
     def kv_heads(self) -> int:
@@ -80,6 +98,11 @@ class ModelConfig:
     def dim_head(self) -> int:
         """Per-head dimension."""
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Features per head that RoPE rotates: the whole head, or MLA's decoupled RoPE part."""
+        return self.mla.qk_rope_head_dim if self.attention_type == "mla" else self.dim_head
 
 
 @dataclass

@@ -124,22 +124,14 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     for name in ("d_model", "n_layers", "n_heads", "dense_hidden", "max_seq_len"):
         _check(getattr(m, name) > 0, f"model.{name}", f"must be > 0, got {getattr(m, name)}")
     _check(m.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 takes it from the tokenizer)")
-    if m.head_dim == 0:
-        _check(
-            m.d_model % m.n_heads == 0,
-            "model.d_model",
-            f"must be divisible by model.n_heads ({m.n_heads}), got {m.d_model}; or set model.head_dim",
-        )
-    _check(m.dim_head % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.dim_head}")
-    _check(m.n_kv_heads >= 0, "model.n_kv_heads", "must be >= 0")
-    _check(
-        m.n_heads % m.kv_heads == 0,
-        "model.n_kv_heads",
-        f"must divide model.n_heads ({m.n_heads}), got {m.kv_heads}",
-    )
+    if m.attention_type == "mla":  # model.head_dim and model.n_kv_heads do not apply; model.mla sets the widths
+        check_mla(cfg)
+    else:
+        _check_heads(m)
     for i in m.dense_layers:
         _check(0 <= i < m.n_layers, "model.dense_layers", f"layer {i} is outside 0..{m.n_layers - 1}")
     _check(m.init_std > 0, "model.init_std", "must be > 0")
+    check_mtp(cfg)
     _check(m.logit_softcap >= 0, "model.logit_softcap", f"must be >= 0 (0: off), got {m.logit_softcap}")
     _check(moe.num_experts >= 1, "model.moe.num_experts", f"must be >= 1, got {moe.num_experts}")
     _check(moe.top_k >= 1, "model.moe.top_k", f"must be >= 1, got {moe.top_k}")
@@ -167,6 +159,18 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
             "model.moe.topk_groups",
             f"selected groups hold {moe.topk_groups * per_group} experts, fewer than top_k={moe.top_k}",
         )
+    if moe.n_groups > 1 and moe.group_score == "top2_sum":
+        _check(
+            moe.num_experts // moe.n_groups >= 2,
+            "model.moe.group_score",
+            f"top2_sum ranks a group by its best two experts, but the groups hold {moe.num_experts // moe.n_groups}; "
+            "use max or fewer groups",
+        )
+    _check(
+        moe.routed_scaling_factor > 0,
+        "model.moe.routed_scaling_factor",
+        f"must be > 0 (1.0: off), got {moe.routed_scaling_factor}",
+    )
     for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "jitter_eps"):
         _check(getattr(moe, name) >= 0, f"model.moe.{name}", "must be >= 0")
     _check(moe.capacity_factor > 0, "model.moe.capacity_factor", "must be > 0")
@@ -286,6 +290,74 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
             "experts are sharded over their own (edp, ep) mesh: use parallel.stack=ddp, parallel.ep=1 or "
             "optim.name=adamw",
         )
+
+
+def _check_heads(m: ModelConfig) -> None:
+    """Grouped-query attention's head widths and counts."""
+    if m.head_dim == 0:
+        _check(
+            m.d_model % m.n_heads == 0,
+            "model.d_model",
+            f"must be divisible by model.n_heads ({m.n_heads}), got {m.d_model}; or set model.head_dim",
+        )
+    _check(m.dim_head % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.dim_head}")
+    _check(m.n_kv_heads >= 0, "model.n_kv_heads", "must be >= 0")
+    _check(
+        m.n_heads % m.kv_heads == 0,
+        "model.n_kv_heads",
+        f"must divide model.n_heads ({m.n_heads}), got {m.kv_heads}",
+    )
+
+
+def check_mtp(cfg: Config) -> None:
+    """Multi-token prediction (``model.mtp_depth``): its weight, and the layouts that run it."""
+    m, p = cfg.model, cfg.parallel
+    _check(m.mtp_depth >= 0, "model.mtp_depth", f"must be >= 0 (0: off), got {m.mtp_depth}")
+    _check(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", f"must be >= 0, got {m.mtp_loss_weight}")
+    if m.mtp_depth == 0:
+        return
+    _check(
+        cfg.data.seq_len > m.mtp_depth,
+        "model.mtp_depth",
+        f"depth {m.mtp_depth} leaves no position to predict in data.seq_len={cfg.data.seq_len}",
+    )
+    for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
+        _check(
+            value == 1,
+            name,
+            f"is {value}, but multi-token prediction runs on one stage over whole sequences yet; "
+            "set it to 1 or model.mtp_depth=0",
+        )
+
+
+def check_mla(cfg: Config) -> None:
+    """Multi-head latent attention (``model.attention_type: mla``): ``model.mla``'s widths and what it runs with."""
+    mla = cfg.model.mla
+    _check(
+        mla.q_lora_rank >= 0,
+        "model.mla.q_lora_rank",
+        f"must be >= 0 (0: plain query projection), got {mla.q_lora_rank}",
+    )
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _check(getattr(mla, name) > 0, f"model.mla.{name}", f"must be > 0, got {getattr(mla, name)}")
+    _check(
+        mla.qk_rope_head_dim % 2 == 0,
+        "model.mla.qk_rope_head_dim",
+        f"must be even for RoPE, got {mla.qk_rope_head_dim}",
+    )
+    p = cfg.parallel
+    for name, value in (("parallel.tp", p.tp), ("parallel.cp", p.cp)):
+        _check(
+            value == 1,
+            name,
+            f"is {value}, but multi-head latent attention is not split over tp or cp ranks yet; "
+            "set it to 1 or use model.attention_type=mha",
+        )
+    _check(
+        cfg.train.precision in ("fp32", "bf16"),
+        "train.precision",
+        f"{cfg.train.precision} does not quantize latent attention yet; use bf16 or model.attention_type=mha",
+    )
 
 
 def check_tp(cfg: Config) -> None:

@@ -1,5 +1,6 @@
-"""Import and export Hugging Face ``transformers`` checkpoints of OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE and gpt-oss
-(gpt-oss's layout: :mod:`moeforge.interop.hf_gpt_oss`).
+"""Import and export Hugging Face ``transformers`` checkpoints of OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE,
+DeepSeek-V3 (its own parts: :mod:`moeforge.interop.hf_deepseek_v3`) and gpt-oss (its layout:
+:mod:`moeforge.interop.hf_gpt_oss`).
 
 ``from_hf(path)`` reads ``config.json`` and the safetensors files (one file or
 shards listed by ``model.safetensors.index.json``) straight from disk, with no
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from moeforge.config import ModelConfig
 from moeforge.interop.hf_config import config_from_hf, config_to_hf
+from moeforge.interop.hf_deepseek_v3 import deepseek_v3_tensors_from_hf, deepseek_v3_tensors_to_hf
 from moeforge.interop.hf_gpt_oss import (
     MODEL_TYPE as GPT_OSS,
 )
@@ -133,13 +135,15 @@ def hf_to_moeforge_state_dict(tensors: dict[str, Tensor], cfg: ModelConfig) -> d
 
 
 def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransformer:
-    """Load an OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE or gpt-oss (``*ForCausalLM``) checkpoint directory into moeforge."""
+    """Load an OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V3 or gpt-oss (``*ForCausalLM``) checkpoint directory."""
     config, tensors = read_hf_checkpoint(path)
     if config.get("model_type") == GPT_OSS:  # its own layout (moeforge.interop.hf_gpt_oss)
         cfg = config_from_gpt_oss(config)
         state = gpt_oss_to_moeforge_state_dict(tensors, cfg)
     else:
         cfg = config_from_hf(config)
+        if config.get("model_type") == "deepseek_v3":
+            tensors = deepseek_v3_tensors_from_hf(tensors, config, cfg)
         state = hf_to_moeforge_state_dict(tensors, cfg)
     model = MoETransformer(cfg).to(dtype)
     load_state_checked(model, state, f"from_hf: checkpoint {path}")
@@ -184,24 +188,30 @@ def moeforge_to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig, flavor
 def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str, writer: bool = True) -> Path:
     """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
 
-    ``flavor`` is 'olmoe', 'qwen3_moe', 'mixtral', 'qwen2_moe' or 'gpt_oss'. With DTensor (expert-parallel)
-    parameters call it on every rank (the full tensors are gathered collectively) with
+    ``flavor`` is 'olmoe', 'qwen3_moe', 'mixtral', 'qwen2_moe', 'deepseek_v3' or 'gpt_oss'. With DTensor
+    (expert-parallel) parameters call it on every rank (the full tensors are gathered collectively) with
     ``writer=True`` on rank 0 only.
     """
     cfg = model.cfg
     hf_config = config_to_gpt_oss(cfg) if flavor == GPT_OSS else config_to_hf(cfg, flavor)
     state = full_state_dict(model)
-    if cfg.moe.bias_update_rate > 0:
+    mtp = [k for k in state if k.startswith("mtp.")]
+    if mtp:  # the Hugging Face models run without them; their logits are the main model's alone
+        logger.warning("to_hf: the %d multi-token-prediction tensors (model.mtp_depth) are not exported", len(mtp))
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    if flavor != "deepseek_v3":
         biased = [k for k, v in state.items() if k.endswith("router.expert_bias") and bool(v.any())]
         if biased:
             raise ValueError(
-                f"to_hf: {biased[0]} is non-zero (model.moe.bias_update_rate > 0): Hugging Face routers "
+                f"to_hf: {biased[0]} is non-zero (model.moe.bias_update_rate > 0): {flavor}'s routers "
                 "have no selection bias, so the exported model would route differently"
             )
     if flavor == GPT_OSS:
         tensors = moeforge_to_gpt_oss_state_dict(state, cfg)
     else:
         tensors = moeforge_to_hf_state_dict(state, cfg, flavor)
+        if flavor == "deepseek_v3":
+            tensors = deepseek_v3_tensors_to_hf(tensors, state, cfg)
     dtype = str(state["embed_tokens.weight"].dtype).removeprefix("torch.")
     hf_config["dtype"] = hf_config["torch_dtype"] = dtype
     out = Path(out_dir)

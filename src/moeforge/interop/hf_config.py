@@ -1,4 +1,5 @@
-"""Map Hugging Face ``config.json`` of OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE to :class:`ModelConfig` and back.
+"""Map Hugging Face ``config.json`` of OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE / DeepSeek-V3 to :class:`ModelConfig`
+and back (DeepSeek-V3 in :mod:`moeforge.interop.hf_deepseek_v3`).
 
 Only what moeforge computes identically is accepted: a field that would change
 the forward pass in a way moeforge does not implement (OLMoE's attention bias, QKV
@@ -12,6 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from moeforge.config import ModelConfig, MoEConfig
+from moeforge.interop.hf_deepseek_v3 import config_from_hf_deepseek_v3, config_to_hf_deepseek_v3
+from moeforge.interop.hf_fields import as_dict as _as_dict
+from moeforge.interop.hf_fields import check_common as _check_common
+from moeforge.interop.hf_fields import require as _require
+from moeforge.interop.hf_fields import rope_theta as _rope_theta
+from moeforge.interop.hf_fields import unsupported as _unsupported
 
 #: Hugging Face ``model_type`` -> the architecture name written into ``config.json``.
 ARCHITECTURES: dict[str, str] = {
@@ -19,66 +26,11 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 #: Default ``rms_norm_eps`` of each model type when config.json omits it.
 _NORM_EPS = {"olmoe": 1e-5, "qwen3_moe": 1e-6, "mixtral": 1e-5, "qwen2_moe": 1e-6}
-
-
-def _as_dict(hf_config: Any) -> dict[str, Any]:
-    """A plain dict from a ``config.json`` dict or a ``transformers`` config object."""
-    if isinstance(hf_config, dict):
-        return dict(hf_config)
-    if hasattr(hf_config, "to_dict"):
-        return dict(hf_config.to_dict())
-    raise TypeError(f"hf_config: expected a dict or a transformers config, got {type(hf_config).__name__}")
-
-
-def _require(d: dict[str, Any], key: str) -> Any:
-    if d.get(key) is None:
-        raise ValueError(f"config.json: required field {key!r} is missing")
-    return d[key]
-
-
-def _unsupported(field: str, value: Any, expected: Any) -> ValueError:
-    return ValueError(
-        f"config.json: {field}={value!r} is not supported by moeforge (expected {expected!r}); "
-        "convert a checkpoint without this feature"
-    )
-
-
-def _rope_theta(d: dict[str, Any]) -> float:
-    """RoPE base from ``rope_parameters`` (transformers >= 5) or the legacy ``rope_theta``."""
-    params = d.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise _unsupported("rope_parameters.rope_type", rope_type, "default")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise _unsupported("rope_parameters.partial_rotary_factor", params["partial_rotary_factor"], 1.0)
-        if "rope_theta" in params:
-            return float(params["rope_theta"])
-    scaling = d.get("rope_scaling")
-    if scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type != "default":
-            raise _unsupported("rope_scaling", scaling, None)
-    return float(d.get("rope_theta", 10000.0))
-
-
-def _check_common(d: dict[str, Any]) -> None:
-    """Reject features that change the forward pass and that moeforge does not implement."""
-    if d.get("attention_bias"):
-        raise _unsupported("attention_bias", d["attention_bias"], False)
-    if d.get("mlp_bias"):
-        raise _unsupported("mlp_bias", d["mlp_bias"], False)
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise _unsupported("hidden_act", act, "silu")
-    if d.get("clip_qkv") is not None:
-        raise _unsupported("clip_qkv", d["clip_qkv"], None)
-    if d.get("use_sliding_window"):
-        raise _unsupported("use_sliding_window", d["use_sliding_window"], False)
 
 
 def _dense_layers_qwen3(d: dict[str, Any], n_layers: int, num_experts: int) -> list[int]:
@@ -109,6 +61,8 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         raise ValueError(
             f"config.json: model_type={model_type!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
         )
+    if model_type == "deepseek_v3":
+        return config_from_hf_deepseek_v3(d)
     _check_common(d)
     d_model = int(_require(d, "hidden_size"))
     n_heads = int(_require(d, "num_attention_heads"))
@@ -191,6 +145,8 @@ def _check_exportable(cfg: ModelConfig, flavor: str) -> None:
 
     if flavor not in ARCHITECTURES:
         raise ValueError(f"to_hf: flavor must be one of {sorted(ARCHITECTURES)}, got {flavor!r}")
+    if cfg.attention_type != "mha":
+        raise bad("model.attention_type", cfg.attention_type, "latent attention exports as deepseek_v3")
     if moe.score_func != "softmax":
         raise bad("model.moe.score_func", moe.score_func, "these Hugging Face models route by softmax")
     if moe.n_groups != 1:
@@ -226,6 +182,8 @@ def _check_exportable(cfg: ModelConfig, flavor: str) -> None:
 
 def config_to_hf(cfg: ModelConfig, flavor: str) -> dict[str, Any]:
     """The ``config.json`` dict of ``flavor`` (a key of :data:`ARCHITECTURES`) for a moeforge model config."""
+    if flavor == "deepseek_v3":
+        return config_to_hf_deepseek_v3(cfg)
     _check_exportable(cfg, flavor)
     moe = cfg.moe
     d: dict[str, Any] = {

@@ -36,6 +36,7 @@ from torch import nn
 from moeforge.config import Config
 from moeforge.config.validation import config_fused_loss_blocker
 from moeforge.model.attention import Attention
+from moeforge.model.mla import MLAttention
 from moeforge.model.moe.experts import GroupedExperts
 from moeforge.ops.bf16_gemm import native_bf16_gemm
 from moeforge.ops.eager_attention import EAGER_MAX_SEQ
@@ -102,7 +103,7 @@ def apply_kernels(model: nn.Module, choice: KernelChoice) -> KernelChoice:
     attention flags. The fused loss is the trainer's to apply: it decides how the model is called.
     """
     for mod in model.modules():
-        if isinstance(mod, Attention):
+        if isinstance(mod, (Attention, MLAttention)):
             mod.upcast, mod.eager = choice.attention_upcast, choice.attention == "eager"
         elif isinstance(mod, GroupedExperts):
             mod.cpu_align = choice.expert_row_align

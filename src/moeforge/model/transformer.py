@@ -12,7 +12,9 @@ from torch import Tensor, nn
 from moeforge.config import ModelConfig
 from moeforge.model.attention import Attention, KVCache
 from moeforge.model.layers import RMSNorm, SwiGLU, rope_tables
+from moeforge.model.mla import MLAttention
 from moeforge.model.moe.layer import MoELayer
+from moeforge.model.mtp import MTPModule, mtp_loss
 from moeforge.ops.cross_entropy import linear_cross_entropy
 
 
@@ -22,7 +24,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, seed: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(cfg, layer_idx) if cfg.attention_type == "mla" else Attention(cfg, layer_idx)
+        )
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = layer_idx not in cfg.dense_layers
         self.mlp: nn.Module = (
@@ -48,24 +52,41 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # multi-token prediction (moeforge.model.mtp): one block per depth after the model's, sharing its head
+        self.mtp: nn.ModuleList | None = None
+        if cfg.mtp_depth:
+            blocks = (Block(cfg, cfg.n_layers + k, seed) for k in range(cfg.mtp_depth))
+            self.mtp = nn.ModuleList(MTPModule(cfg, b) for b in blocks)
+        self.last_mtp_loss: Tensor | None = None  # the weighted MTP loss of the last training forward
         # ``fn(T, device) -> (T,)`` global positions of the T tokens fed without a cache; None: 0..T-1.
         # A ``parallelize_*`` function sets it when the input is a part of each sequence (context parallelism).
         self.positions_fn: Callable[[int, torch.device], Tensor] | None = None
 
     def forward(
-        self, input_ids: Tensor, cache: KVCache | None = None, start_pos: int = 0, labels: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        labels: Tensor | None = None,
+        mtp_labels: Tensor | None = None,
     ) -> Tensor:
         """Logits ``(B, T, V)`` of token ids ``(B, T)`` (a pipeline stage: see :meth:`blocks`); with ``labels``
-        ``(B, T)``, the mean cross-entropy against them instead, the head fused into it (:meth:`fused_lm_loss`)."""
+        ``(B, T)``, the mean cross-entropy against them instead, the head fused into it (:meth:`fused_lm_loss`).
+        A training forward with MTP modules and targets (``labels`` or ``mtp_labels``) also sets
+        :attr:`last_mtp_loss`, which the trainer adds to the loss."""
         T = input_ids.shape[1]
         if self.positions_fn is not None and cache is None:
             positions = self.positions_fn(T, input_ids.device)
         else:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
-        cos, sin = rope_tables(self.cfg.dim_head, positions, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg.rope_dim, positions, self.cfg.rope_theta)
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         for block in self.blocks():
             h = block(h, cos, sin, cache)
+        self.last_mtp_loss = None
+        targets = labels if labels is not None else mtp_labels
+        if self.mtp is not None and self.training and targets is not None and cache is None:
+            self.last_mtp_loss = mtp_loss(self, h, input_ids, targets, cos, sin, fused=labels is not None)
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is None:

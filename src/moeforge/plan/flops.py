@@ -15,7 +15,9 @@ forward and the backward (input and weight gradients). The attention term is
 the PaLM (Chowdhery et al. 2022, appendix B) / Chinchilla convention: QK^T and
 attention-times-V each cost ``2 * seq_len * n_heads * head_dim`` per token and
 layer in the forward, times 3 for training, with no discount for the causal
-mask (as torchtitan and Megatron report it). See ``docs/flops.md``.
+mask (as torchtitan and Megatron report it). Latent attention (MLA) counts its
+query/key and value widths separately (:func:`attention_head_widths`); its
+projections are in ``N_active_matmul`` like any other. See ``docs/flops.md``.
 """
 
 from __future__ import annotations
@@ -37,8 +39,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     counts = param_counts(cfg)
     dense_term = 6 * counts["active_matmul_non_embedding"]
     lm_head = 6 * cfg.d_model * cfg.vocab_size
-    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
+    qk, v = attention_head_widths(cfg)
+    attention = 6 * cfg.n_layers * cfg.n_heads * (qk + v) * seq_len
     return float(dense_term + lm_head + attention)
+
+
+def attention_head_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """``(query/key, value)`` features per head: ``head_dim`` twice, or latent attention's
+    ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim`` (QK^T costs the first, attention-times-V the
+    second, so the attention term is ``6 * n_layers * n_heads * (qk + v) * seq_len``)."""
+    if cfg.attention_type == "mla":
+        m = cfg.mla
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return cfg.dim_head, cfg.dim_head
 
 
 def model_tflops_per_s(tokens_per_s: float, cfg: ModelConfig, seq_len: int) -> float:

@@ -162,7 +162,7 @@ class Trainer:
         with self.autocast():
             if self.kernels.fused_loss:
                 return self.model(inputs, labels=targets)
-            logits = self.model(inputs)
+            logits = self.model(inputs, mtp_labels=targets)
         return lm_loss_fn(logits, targets, upcast=upcast)
 
     def _forward_backward(self, micro_batches: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -182,6 +182,8 @@ class Trainer:
                 lm = self._lm_loss(inputs, targets, upcast=False)
                 weighted_aux, aux, z = moe_aux_terms(model)
                 loss = lm + weighted_aux.to(lm.device)
+                if model.last_mtp_loss is not None:  # multi-token prediction (model.mtp_depth)
+                    loss = loss + model.last_mtp_loss
             (loss / n_micro).backward()
             sums += torch.stack([loss.detach(), lm.detach(), aux.to(lm.device), z.to(lm.device)]) / n_micro
             load.add()

@@ -2,13 +2,15 @@
 
 Scores come from a linear gate, computed in fp32 (softmax or sigmoid). The
 router picks ``top_k`` experts per token, optionally within the best
-``topk_groups`` of ``n_groups`` expert groups, optionally renormalises the
-chosen weights, and computes the auxiliary load-balancing loss
+``topk_groups`` of ``n_groups`` expert groups (a group ranked by its best
+score, or by its best two's sum as in DeepSeek-V3), optionally renormalises the
+chosen weights, scales them by ``routed_scaling_factor``, and computes the auxiliary load-balancing loss
 ``E * sum_i f_i * P_i`` and the router z-loss ``mean(logsumexp(logits)^2)``.
 
 Auxiliary-loss-free balancing keeps a per-expert ``expert_bias`` that is added
-to the scores for selection only; :meth:`TopKRouter.update_bias` moves it after
-each optimizer step from that step's token counts.
+to the scores for selection only (DeepSeek-V3's ``e_score_correction_bias``);
+:meth:`TopKRouter.update_bias` moves it after each optimizer step from that
+step's token counts.
 """
 
 from __future__ import annotations
@@ -77,11 +79,15 @@ class TopKRouter(nn.Module):
 
     def _select(self, scores: Tensor) -> Tensor:
         """Indices of the chosen experts ``(N, k)`` from fp32 scores (bias used here only)."""
-        biased = scores + self.expert_bias if self.cfg.bias_update_rate > 0 else scores
+        # the bias is zero unless loss-free balancing moved it or a checkpoint (DeepSeek-V3's) brought one
+        biased = scores + self.expert_bias
         if self.cfg.n_groups > 1:
             n, e = biased.shape
             grouped = biased.view(n, self.cfg.n_groups, e // self.cfg.n_groups)
-            group_scores = grouped.max(dim=-1).values
+            if self.cfg.group_score == "top2_sum":
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                group_scores = grouped.max(dim=-1).values
             keep = torch.topk(group_scores, self.cfg.topk_groups, dim=-1).indices
             mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
             biased = grouped.masked_fill(~mask[..., None], float("-inf")).view(n, e)
@@ -117,6 +123,9 @@ class TopKRouter(nn.Module):
             weights = scores.gather(1, indices)
             if self.cfg.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
+        scale = self.cfg.routed_scaling_factor
+        if not fused and scale != 1.0:
+            weights = weights * scale
         if self.token_stats_reduce is not None:
             aux, z = self._reduced_losses(logits, probs, counts)
             return RouterOutput(indices, weights, aux, z, counts)
@@ -129,7 +138,7 @@ class TopKRouter(nn.Module):
             weights, aux, z = softmax_router_scores(
                 logits, probs, indices, seq_counts / n_routes, self.cfg.norm_topk_prob
             )
-            return RouterOutput(indices, weights, aux, z, counts)
+            return RouterOutput(indices, weights * scale if scale != 1.0 else weights, aux, z, counts)
         aux = self.num_experts * (seq_counts / n_routes * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean() if x.shape[0] else logits.sum()
         return RouterOutput(indices, weights, aux, z, counts)

@@ -62,6 +62,8 @@ def apply_fsdp(
     dense = mesh.dp_cp_mesh
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = model.blocks()  # type: ignore[union-attr]
+    # multi-token prediction's blocks (moeforge.model.mtp) run after the model's: each its own unit too
+    blocks = blocks + [m.block for m in getattr(model, "mtp", None) or []]
     for i, block in enumerate(blocks):
         reshard = reshard_after_forward and i < len(blocks) - 1
         if mesh.ep > 1 and isinstance(block.mlp, MoELayer):

@@ -1,0 +1,161 @@
+"""Hugging Face parity for DeepSeek-V3: multi-head latent attention, sigmoid group-limited routing with the
+selection bias and routed scaling, shared experts, dense first layers.
+
+As in test_hf_parity.py: tiny random transformers models built offline are the oracle; logits must agree in
+fp32. Export then import gives identical tensors, and transformers reproduces the exported model's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moeforge.interop import config_from_hf, config_to_hf, from_hf, to_hf
+from moeforge.model import build_model
+
+from .test_hf_parity import VOCAB, _assert_same_logits, _perturb_norms
+
+
+def _deepseek(seed: int = 0, **overrides) -> torch.nn.Module:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        kv_lora_rank=24,
+        q_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        max_position_embeddings=128,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 30000.0},
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**kw)).eval()
+    _perturb_norms(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # transformers zero-initialises the selection bias: make it pick different experts
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),  # q compression, interleaved RoPE (DeepSeek's layout), 1 dense layer
+        dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1, norm_topk_prob=False, v_head_dim=32),
+    ],
+    ids=["v3", "plain_q"],
+)
+def test_from_hf_deepseek_v3_matches_transformers(tmp_path, overrides):
+    hf = _deepseek(**overrides)
+    hf.save_pretrained(tmp_path)
+    ours = from_hf(tmp_path)
+    cfg = ours.cfg
+    assert cfg.attention_type == "mla" and cfg.mla.q_lora_rank == (overrides.get("q_lora_rank", 16) or 0)
+    assert cfg.dense_layers == [0] and cfg.moe.shared_expert_hidden == 32
+    assert cfg.moe.routed_scaling_factor == 2.5 and cfg.moe.group_score == "top2_sum"
+    assert config_from_hf(hf.config) == cfg  # a transformers config object maps like config.json
+    bias = ours.layers[1].mlp.router.expert_bias
+    assert bias.abs().sum() > 0  # the selection bias came along
+    _assert_same_logits(hf, ours)
+    with torch.no_grad():  # and it matters: without it the routes, hence the logits, differ
+        for layer in ours.moe_layers():
+            layer.router.expert_bias.zero_()
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    assert (ours(ids) - hf(ids).logits).abs().max() > 1e-3
+
+
+def test_deepseek_v3_export_round_trip_and_transformers_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = _deepseek(seed=2)
+    hf.save_pretrained(tmp_path / "src")
+    ours = from_hf(tmp_path / "src")
+    out = to_hf(ours, tmp_path / "out", "deepseek_v3")
+    exported = load_file(str(out / "model.safetensors"))
+    original = load_file(str(tmp_path / "src" / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    for key, t in original.items():  # interleaved RoPE rows restored, bias and shared experts renamed back
+        assert torch.equal(exported[key], t), key
+    again = from_hf(out)
+    assert again.cfg == ours.cfg
+    theirs, mine = ours.state_dict(), again.state_dict()
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in theirs)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "DeepseekV3ForCausalLM"
+    _assert_same_logits(reloaded, ours, seed=1)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_deepseek_v3_mtp_layers_are_skipped(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = _deepseek(seed=3)
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)  # an MTP module stored after the 3 layers
+    save_file(tensors, str(tmp_path / "model.safetensors"), {"format": "pt"})
+    _assert_same_logits(hf, from_hf(tmp_path))
+
+
+def _config_dict() -> dict:
+    return json.loads(_deepseek().config.to_json_string())
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}), "rope_type"),
+        (dict(num_key_value_heads=2), "num_key_value_heads"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(scoring_func="softmax"), "scoring_func"),
+        (dict(topk_method="greedy"), "topk_method"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(n_group=3), "n_group"),
+    ],
+)
+def test_config_from_hf_deepseek_v3_names_unsupported_field(change, field):
+    d = _config_dict()
+    d.update(change)
+    with pytest.raises(ValueError, match=field) as err:
+        config_from_hf(d)
+    assert "\n" not in str(err.value)
+
+
+def test_deepseek_v3_export_names_what_it_cannot_express(tmp_path):
+    cfg = config_from_hf(_config_dict())
+    for bad, field in (
+        (replace(cfg, attention_type="mha"), "model.attention_type"),
+        (replace(cfg, dense_layers=[1]), "model.dense_layers"),
+        (replace(cfg, moe=replace(cfg.moe, score_func="softmax")), "model.moe.score_func"),
+        (replace(cfg, moe=replace(cfg.moe, shared_expert_hidden=48)), "model.moe.shared_expert_hidden"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(field)):
+            to_hf(build_model(bad), tmp_path / "x", "deepseek_v3")
+    with pytest.raises(ValueError, match=re.escape("model.attention_type")):  # the other flavors refuse MLA
+        config_to_hf(cfg, "qwen3_moe")
+    assert not (tmp_path / "x").exists()
