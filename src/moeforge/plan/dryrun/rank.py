@@ -1,0 +1,155 @@
+"""One rank of the dry run: the trainer's own build and steps under a fake process group and fake tensors.
+
+:func:`dry_run_rank` joins a ``"fake"`` process group as rank ``R`` of ``N`` (every collective returns at
+once, nothing moves), builds the mesh, then under ``FakeTensorMode`` (nothing is allocated or computed)
+builds the model, its stages, the stack and the optimizer with
+:meth:`~moeforge.train.trainer.Trainer.for_dry_run` and runs ``steps`` optimizer steps with the trainer's
+own ``_forward_backward`` and ``_sync_gradients``, the stack's ``step`` and ``zero_grad``, the finite check's
+collective and the routers' bias update. What cannot run on fake tensors is left out: reading the loss, the
+gradient norm and the finite flag to the host (the step is always taken), data loading (the micro-batches
+are fake token ids), metrics, checkpoints and evaluation. The all-to-all dispatchers take balanced split
+sizes in place of the routing's (:mod:`moeforge.parallel.expert.splits`).
+
+The mesh is built before the fake tensors: ``init_device_mesh`` reads its rank tensor on the host.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from moeforge.config import Config, validate_layout
+from moeforge.parallel.data_parallel.ddp import DDPStack
+from moeforge.parallel.memory import local_tensor, measure_state
+from moeforge.parallel.mesh import MoEMesh, build_mesh
+from moeforge.plan.dryrun.collectives import Collective, CollectiveLog
+from moeforge.plan.dryrun.live_memory import LiveMemory
+from moeforge.train.step_guard import all_finite, weights_finite
+from moeforge.train.trainer import Trainer
+
+
+@dataclass
+class RankReport:
+    """What one rank's dry run measured."""
+
+    rank: int
+    state: dict[str, int]  # measure_state's keys: the bytes RUN/memory.json records
+    peak_bytes: int  # the most bytes live at once over the steps
+    peak_split: dict[str, int]  # live_memory.CATEGORIES at the peak
+    collectives: list[Collective]  # the last step's, in issue order
+    build_s: float
+    step_s: float
+    roles: dict[str, int] = field(default_factory=dict)  # pp/dp/ep/tp/cp indices of the rank
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "rank": self.rank,
+            "roles": self.roles,
+            **self.state,
+            "peak_bytes": self.peak_bytes,
+            "peak_split": self.peak_split,
+            "collectives": [c.to_json() for c in self.collectives],
+            "build_s": round(self.build_s, 3),
+            "step_s": round(self.step_s, 3),
+        }
+
+
+def _state_labels(trainer: Trainer, live: LiveMemory) -> dict[str, set[int]]:
+    """Our storage ids of the stack's parameters, gradients, fp32 masters, optimizer state and buffers."""
+    stack, model = trainer.stack, trainer.model
+    params = [local_tensor(p) for p in model.parameters()]
+    labels = {"params": live.ids(params), "buffers": live.ids(model.buffers())}
+    if isinstance(stack, DDPStack):
+        labels["grads"] = live.ids(b.buffer for b in stack.reducer.buckets)
+        shards = stack.optimizer.shard_state
+        labels["masters"] = live.ids(st["master"] for st in shards if "master" in st)
+        labels["optim"] = live.ids(v for st in shards for k, v in st.items() if k != "master")
+    else:
+        labels["grads"] = live.ids(local_tensor(p.grad) for p in model.parameters() if p.grad is not None)
+        state = stack.optimizer.state.values()
+        labels["optim"] = live.ids(local_tensor(v) for st in state for v in st.values() if torch.is_tensor(v))
+    return labels
+
+
+def _one_step(trainer: Trainer, micro_batches: list[torch.Tensor], live: LiveMemory) -> dict[str, set[int]]:
+    """The trainer's step without its host reads; returns the state labels taken before ``zero_grad``."""
+    stack, model, mesh = trainer.stack, trainer.model, trainer.mesh
+    with live.saved_hooks():
+        if trainer.pipeline is not None:
+            from moeforge.train.pipeline_step import pipelined_forward_backward
+
+            sums, load_rows = pipelined_forward_backward(trainer, micro_batches)
+        else:
+            sums, load_rows = trainer._forward_backward(micro_batches)
+    packed, _ = trainer._sync_gradients(sums, load_rows)
+    stack.step()  # the loss and norm are not read: the step is always taken
+    all_finite(weights_finite(model), mesh)  # its collective; the flag is not read
+    labels = _state_labels(trainer, live)
+    state = measure_state(stack)
+    stack.zero_grad()
+    num_experts = trainer.cfg.model.moe.num_experts
+    loads = packed[-load_rows.numel() :].view(load_rows.shape) if load_rows.numel() else load_rows
+    rows = trainer.stages.moe_rows if trainer.stages is not None else list(range(len(model.moe_layers())))
+    if len(rows):
+        model.post_batch(loads[rows, :num_experts])
+    labels["_state"] = {0}
+    trainer._last_state = state  # type: ignore[attr-defined]
+    return labels
+
+
+def _roles(mesh: MoEMesh) -> dict[str, int]:
+    return {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "cp": mesh.cp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank}
+
+
+def micro_batch_count(cfg: Config, mesh: MoEMesh) -> int:
+    """Micro-batches a rank runs per optimizer step (as the trainer's loader hands them out)."""
+    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dp))
+
+
+def dry_run_rank(cfg: Config, world: int, rank: int, steps: int = 1) -> RankReport:
+    """Run ``steps`` training steps of ``cfg`` as ``rank`` of ``world`` on fake tensors (see the module)."""
+    if cfg.model.vocab_size <= 0:
+        from moeforge.config import ConfigError
+
+        raise ConfigError("model.vocab_size: the dry run needs it set (> 0), e.g. model.vocab_size: 50304")
+    validate_layout(cfg, world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        return _run(cfg, rank, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(cfg: Config, rank: int, steps: int) -> RankReport:
+    device = torch.device("cpu")
+    t0 = time.perf_counter()
+    mesh = build_mesh(cfg.parallel, device.type)
+    log = CollectiveLog()
+    with FakeTensorMode(allow_non_fake_inputs=True), LiveMemory() as live, log:
+        log.enabled = False
+        trainer = Trainer.for_dry_run(cfg, mesh, device)
+        build_s = time.perf_counter() - t0
+        n_micro = micro_batch_count(cfg, mesh)
+        seq = cfg.data.seq_len + 1  # windows of inputs and their next-token targets
+        t1 = time.perf_counter()
+        labels: dict[str, set[int]] = {}
+        from moeforge.optim.schedule import lr_at
+
+        for step in range(steps):
+            log.records.clear()
+            log.enabled = step == steps - 1
+            trainer.stack.set_lr(lr_at(step, cfg.train.max_steps, cfg.optim))
+            batches = [torch.zeros(cfg.train.micro_batch_size, seq, dtype=torch.long) for _ in range(n_micro)]
+            labels = _one_step(trainer, batches, live)
+            log.enabled = False
+        step_s = (time.perf_counter() - t1) / max(steps, 1)
+        split = live.split(labels)
+        state = trainer._last_state  # type: ignore[attr-defined]
+    return RankReport(rank, state, live.peak, split, list(log.records), build_s, step_s, _roles(mesh))
