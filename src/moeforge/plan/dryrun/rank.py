@@ -15,6 +15,7 @@ The mesh is built before the fake tensors: ``init_device_mesh`` reads its rank t
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ class RankReport:
     build_s: float
     step_s: float
     roles: dict[str, int] = field(default_factory=dict)  # pp/dp/ep/tp/cp indices of the rank
+    group_names: dict[tuple[int, ...], str] = field(default_factory=dict)  # ranks -> the mesh groups' names
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -55,7 +57,7 @@ class RankReport:
             **self.state,
             "peak_bytes": self.peak_bytes,
             "peak_split": self.peak_split,
-            "collectives": [c.to_json() for c in self.collectives],
+            "collectives": [c.to_json() | {"group": self.group_names.get(c.ranks, "")} for c in self.collectives],
             "build_s": round(self.build_s, 3),
             "step_s": round(self.step_s, 3),
         }
@@ -104,6 +106,22 @@ def _one_step(trainer: Trainer, micro_batches: list[torch.Tensor], live: LiveMem
     return labels
 
 
+#: the mesh's groups, most specific name first (a group that is several of them is named by the first)
+GROUPS = ("ep", "tp", "cp", "pp", "edp", "dp", "dp_cp", "stage", "world")
+
+
+def group_names(mesh: MoEMesh) -> dict[tuple[int, ...], str]:
+    """``{global ranks of a group: its name}`` for the mesh's process groups (joined by ``=`` when equal)."""
+    out: dict[tuple[int, ...], str] = {}
+    for name in GROUPS:
+        group = getattr(mesh, f"{name}_group", None)
+        if group is None:
+            continue
+        ranks = tuple(dist.get_process_group_ranks(group))
+        out[ranks] = f"{out[ranks]}={name}" if ranks in out else name
+    return out
+
+
 def _roles(mesh: MoEMesh) -> dict[str, int]:
     return {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "cp": mesh.cp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank}
 
@@ -113,24 +131,26 @@ def micro_batch_count(cfg: Config, mesh: MoEMesh) -> int:
     return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dp))
 
 
-def dry_run_rank(cfg: Config, world: int, rank: int, steps: int = 1) -> RankReport:
+def dry_run_rank(cfg: Config, world: int, rank: int, steps: int = 1, device_type: str = "cpu") -> RankReport:
     """Run ``steps`` training steps of ``cfg`` as ``rank`` of ``world`` on fake tensors (see the module)."""
     if cfg.model.vocab_size <= 0:
         from moeforge.config import ConfigError
 
         raise ConfigError("model.vocab_size: the dry run needs it set (> 0), e.g. model.vocab_size: 50304")
     validate_layout(cfg, world)
+    cfg = copy.deepcopy(cfg)
+    cfg.model.moe.cpu_group_align = 1  # a GPU's grouped GEMM takes groups as they are (the CPU pads bf16 rows)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        return _run(cfg, rank, steps)
+        return _run(cfg, rank, steps, device_type)
     finally:
         dist.destroy_process_group()
 
 
-def _run(cfg: Config, rank: int, steps: int) -> RankReport:
-    device = torch.device("cpu")
+def _run(cfg: Config, rank: int, steps: int, device_type: str) -> RankReport:
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
     t0 = time.perf_counter()
-    mesh = build_mesh(cfg.parallel, device.type)
+    mesh = build_mesh(cfg.parallel, "cpu")  # the fake group's rank tensors live on the host
     log = CollectiveLog()
     with FakeTensorMode(allow_non_fake_inputs=True), LiveMemory() as live, log:
         log.enabled = False
@@ -146,10 +166,11 @@ def _run(cfg: Config, rank: int, steps: int) -> RankReport:
             log.records.clear()
             log.enabled = step == steps - 1
             trainer.stack.set_lr(lr_at(step, cfg.train.max_steps, cfg.optim))
-            batches = [torch.zeros(cfg.train.micro_batch_size, seq, dtype=torch.long) for _ in range(n_micro)]
+            batches = [torch.zeros(cfg.train.micro_batch_size, seq, dtype=torch.long, device=device)] * n_micro
             labels = _one_step(trainer, batches, live)
             log.enabled = False
         step_s = (time.perf_counter() - t1) / max(steps, 1)
         split = live.split(labels)
         state = trainer._last_state  # type: ignore[attr-defined]
-    return RankReport(rank, state, live.peak, split, list(log.records), build_s, step_s, _roles(mesh))
+    names = group_names(mesh)
+    return RankReport(rank, state, live.peak, split, list(log.records), build_s, step_s, _roles(mesh), names)
