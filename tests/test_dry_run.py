@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import torch.distributed as dist
+
+from moeforge.config import Config
 from moeforge.parallel.memory import STATE_KEYS, predict_state
+from moeforge.plan.dryrun.collectives import CollectiveLog
 from moeforge.plan.dryrun.command import default_ranks, dry_run
+from moeforge.testing import run_distributed_test
+from moeforge.train.trainer import Trainer
 
 from .helpers import tiny_config
 
@@ -32,3 +39,67 @@ def test_dry_run_state_equals_the_planner_and_logs_the_step(tmp_path: Path) -> N
     assert ops.count("alltoall_base_") == 2 * 3 + 2 * 2, ops
     assert "_reduce_scatter_base_" in ops and "_allgather_base_" in ops, ops
     assert all(c["ranks"] == [0, 1] for c in rank0["collectives"])
+
+
+# ---------------------------------------------------------------- the dry run against the real gloo run
+
+PARITY_LAYOUTS = {
+    "ddp_ep2": ["--parallel.ep=2", "--parallel.bucket_size_mb=0.02"],
+    "fsdp": ["--parallel.stack=fsdp"],
+}
+
+
+def _parity_config(root: Path, name: str, extra: list[str]) -> Config:
+    return tiny_config(root, f"--train.run_dir={root / name}", "--train.max_steps=2", *NO_PAD, *extra)
+
+
+def _real_steps(root: str, layouts: dict[str, list[str]]) -> None:
+    """Each layout's first two real steps (the first writes RUN/memory.json); the second's collectives, logged by
+    the dry run's own :class:`CollectiveLog`, go to ``root/NAME.RANK.json``."""
+    for name, extra in layouts.items():
+        trainer = Trainer(_parity_config(Path(root), name, extra))
+        try:
+            trainer.run_step(trainer.loader.next_step())
+            with CollectiveLog() as log:
+                trainer.run_step(trainer.loader.next_step())
+        finally:
+            trainer.close()
+        out = Path(root) / f"{name}.{dist.get_rank()}.json"
+        out.write_text(json.dumps([c.to_json() for c in log.records]))
+
+
+def _routed(c: dict) -> bool:
+    """A token all-to-all: how many rows each rank receives (and, backward, sends) follows the routing, which the
+    dry run takes as balanced; what all ranks move together does not."""
+    return c["op"].startswith("alltoall") and c["dtype"] != "int64"
+
+
+def _assert_same_collectives(name: str, real: list[list[dict]], dry: list[list[dict]]) -> None:
+    """Per rank the same calls in the same order (op, group, dtype), each with the same bytes; a token all-to-all's
+    bytes summed over the ranks."""
+    assert [len(r) for r in real] == [len(d) for d in dry], (name, [len(r) for r in real], [len(d) for d in dry])
+    for i, calls in enumerate(zip(*real, *dry)):
+        got, want = calls[: len(real)], calls[len(real) :]
+        for g, w in zip(got, want):
+            assert (g["op"], g["ranks"], g["dtype"]) == (w["op"], w["ranks"], w["dtype"]), (name, i, g, w)
+            if not _routed(g):
+                assert (g["in_bytes"], g["out_bytes"]) == (w["in_bytes"], w["out_bytes"]), (name, i, g, w)
+        for key in ("in_bytes", "out_bytes"):
+            assert sum(g[key] for g in got) == sum(w[key] for w in want), (name, i, key, got, want)
+
+
+def test_dry_run_equals_the_real_gloo_run(tmp_path: Path) -> None:
+    world = 2
+    run_distributed_test(_real_steps, world, args=(str(tmp_path), PARITY_LAYOUTS))
+    for name, extra in PARITY_LAYOUTS.items():
+        cfg = _parity_config(tmp_path, name, extra)
+        cfg.model.vocab_size = 300  # the tokenizer's, as the trainer sets it
+        result = dry_run(cfg, world, list(range(world)), steps=2)
+        measured = json.loads((tmp_path / name / "memory.json").read_text())["ranks"]
+        for m, d in zip(measured, result["ranks"], strict=True):
+            for key in STATE_KEYS:
+                assert m[key] == d[key], (name, m["rank"], key, m[key], d[key])
+        real = [json.loads((tmp_path / f"{name}.{r}.json").read_text()) for r in range(world)]
+        dry = [[{k: v for k, v in c.items() if k != "group"} for c in rep["collectives"]] for rep in result["ranks"]]
+        assert all(real), name
+        _assert_same_collectives(name, real, dry)
