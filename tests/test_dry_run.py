@@ -103,3 +103,15 @@ def test_dry_run_equals_the_real_gloo_run(tmp_path: Path) -> None:
         dry = [[{k: v for k, v in c.items() if k != "group"} for c in rep["collectives"]] for rep in result["ranks"]]
         assert all(real), name
         _assert_same_collectives(name, real, dry)
+
+
+def test_a_step_of_two_micro_batches_stands_for_the_full_count(tmp_path: Path) -> None:
+    for extra in PARITY_LAYOUTS.values():
+        cfg = tiny_config(tmp_path, "--train.global_batch_size=16", "--train.micro_batch_size=2", *NO_PAD, *extra)
+        cfg.model.vocab_size = 300
+        full, short = (dry_run(cfg, 2, [0], steps=1, micro_batch_limit=n)["ranks"][0] for n in (0, 2))
+        assert (full["micro_batches"], full["micro_batches_run"], short["micro_batches_run"]) == (4, 4, 2)
+        for key in (*STATE_KEYS, "peak_bytes"):
+            assert short[key] == full[key], (extra, key, short[key], full[key])
+        assert short["collectives"] == full["collectives"], extra
+        assert len({c["op"] for c in full["collectives"]}) >= 2, extra

@@ -258,6 +258,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ranks", default=None, help="dry run: ranks to run, e.g. 0,7 (default: one per role)")
     parser.add_argument("--dry-run-steps", type=int, default=1, help="dry run: optimizer steps (the last is logged)")
+    parser.add_argument(
+        "--dry-run-micro-batches",
+        type=int,
+        default=2,
+        help="dry run: micro-batches each step runs, the rest counted from them (0: all of the step's)",
+    )
     parser.epilog = "Override any config field as for train: --section.field=value, e.g. --train.micro_batch_size=2"
 
 
@@ -303,7 +309,7 @@ def run_dry_run_command(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError("model.vocab_size: the dry run needs it set (> 0), e.g. model.vocab_size: 50304")
         mem_bytes = device_memory_bytes(args.device, args.mem_gb)
         ranks = parse_ranks(args.ranks, cfg, args.world)
-        result = dry_run(cfg, args.world, ranks, args.dry_run_steps)
+        result = dry_run(cfg, args.world, ranks, args.dry_run_steps, args.dry_run_micro_batches)
     except (ConfigError, ValueError) as e:
         sys.stderr.write(f"moeforge plan: {e}\n")
         return 2

@@ -123,16 +123,18 @@ class Trainer:
         # creating the manager is collective (async save makes its own group): every rank, same point
         self.checkpointer = CheckpointManager.from_config(self.run_dir, cfg.train, self.device, self.mesh)
 
-    def _build_model(self) -> None:
+    def _build_model(self, kernel_device: str | None = None) -> None:
         """The model, its kernels, this rank's pipeline stages, the stack and optimizer, the pipeline runner.
 
         The part of the build ``moeforge plan --dry-run`` shares (:meth:`for_dry_run`): no data, no run dir.
+        ``kernel_device``: the device kind the kernels are chosen for (default: this rank's device's).
         """
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
         # kernels and numerics by fixed rules from the config and the device kind, never by a timing
-        self.kernels: KernelChoice = apply_kernels(model, select_kernels(cfg, self.device))
+        choice = select_kernels(cfg, kernel_device or self.device)
+        self.kernels: KernelChoice = apply_kernels(model, choice)
         self.stages: RankStages | None = None  # this rank's pipeline stages (parallel.pp > 1)
         if self.mesh.pp > 1:
             self.stages = rank_stages(cfg, self.mesh.pp_rank)
@@ -146,8 +148,9 @@ class Trainer:
         self.autocast_dtype = None if cfg.train.precision == "fp32" else torch.bfloat16  # lowp: the rest in bf16
 
     @classmethod
-    def for_dry_run(cls, cfg: Config, mesh: MoEMesh, device: torch.device) -> Trainer:
-        """A trainer with only :meth:`_build_model` done, for the dry run's steps under fake tensors.
+    def for_dry_run(cls, cfg: Config, mesh: MoEMesh, device: torch.device, kernel_device: str = "cuda") -> Trainer:
+        """A trainer with only :meth:`_build_model` done, for the dry run's steps under fake tensors, its kernels
+        those ``auto`` picks on a ``kernel_device`` (the dry run models a GPU's program on the host's fake tensors).
 
         Left out, as they cannot run on fake tensors or touch the disk: the run lock, data preparation and
         loaders, the fit check, metrics and the checkpoint manager; ``cfg.model.vocab_size`` must be set.
@@ -157,7 +160,7 @@ class Trainer:
         self.device, self.mesh, self.rank = device, mesh, mesh.rank
         self.is_main, self.local_world, self.lock = mesh.rank == 0, 1, None
         self.run_dir = Path(cfg.train.run_dir)
-        self._build_model()
+        self._build_model(kernel_device)
         self.step = 0
         self.memory = {}  # not measured: the dry run counts its own tensors
         self.activation_bytes = 0

@@ -21,6 +21,9 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+#: ``tensor.device`` as dispatched under a mode: most calls by far, never a collective
+DEVICE_OP = torch.ops.prim.device.default
+
 #: data-free ops the log leaves out
 SKIPPED = ("wait_tensor", "barrier", "monitored_barrier")
 
@@ -107,11 +110,22 @@ class CollectiveLog(TorchDispatchMode):
         super().__init__()
         self.records: list[Collective] = []
         self.enabled = True  # cleared to pause recording without leaving the mode
+        self.marks: list[int] = []  # record counts at the points :meth:`mark` was called
+
+    def mark(self) -> None:
+        """Note the number of records so far (e.g. where a micro-batch begins), while recording."""
+        if self.enabled:
+            self.marks.append(len(self.records))
+
+    def clear(self) -> None:
+        """Drop the records and marks."""
+        self.records.clear()
+        self.marks.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.enabled:
+        if self.enabled and func is not DEVICE_OP:
             record = describe(func, args, kwargs, out)
             if record is not None:
                 self.records.append(record)

@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 from moeforge.config import Config, ConfigError
+from moeforge.plan.dryrun.micro_batches import DEFAULT_LIMIT
 from moeforge.plan.dryrun.rank import dry_run_rank
 from moeforge.plan.dryrun.wire import wire_bytes
 
@@ -40,13 +41,18 @@ def parse_ranks(text: str | None, cfg: Config, world: int) -> list[int]:
     return ranks
 
 
-def dry_run(cfg: Config, world: int, ranks: list[int], steps: int = 1) -> dict[str, Any]:
-    """The dry run of ``ranks`` as a JSON-ready dict: ``{"world", "steps", "ranks": [per rank]}``."""
+def dry_run(
+    cfg: Config, world: int, ranks: list[int], steps: int = 1, micro_batch_limit: int = DEFAULT_LIMIT
+) -> dict[str, Any]:
+    """The dry run of ``ranks`` as a JSON-ready dict: ``{"world", "steps", "ranks": [per rank]}``; each step runs
+    at most ``micro_batch_limit`` micro-batches (0: all), its collectives made up to the full count."""
     if steps < 1:
         raise ConfigError(f"--dry-run-steps: must be >= 1, got {steps}")
+    if micro_batch_limit < 0:
+        raise ConfigError(f"--dry-run-micro-batches: must be >= 0 (0: all of the step's), got {micro_batch_limit}")
     reports = []
     for r in ranks:
-        rep = dry_run_rank(cfg, world, r, steps).to_json()
+        rep = dry_run_rank(cfg, world, r, steps, micro_batch_limit=micro_batch_limit).to_json()
         rep["comm"] = comm_summary(rep["collectives"])
         reports.append(rep)
     return {"world": world, "steps": steps, "stack": cfg.parallel.stack, "ranks": reports}
@@ -74,10 +80,17 @@ def format_dry_run(result: dict[str, Any], config: str, mem_bytes: float) -> str
     for rep in result["ranks"]:
         roles = " ".join(f"{k}={v}" for k, v in rep["roles"].items())
         lines.append(f"\nrank {rep['rank']} ({roles}); build {rep['build_s']:.1f} s, step {rep['step_s']:.1f} s")
+        n, ran = rep["micro_batches"], rep["micro_batches_run"]
+        if ran < n:
+            lines.append(
+                f"  ran {ran} of the step's {n} micro-batches; collectives: the last pass without gradient sync "
+                f"counted {n - ran} more times (state and peak do not grow with the count)"
+            )
         lines.append("  state (GB):   params " + " grads ".join([_gb(rep["params_bytes"]), _gb(rep["grads_bytes"])]))
         lines.append(f"               masters {_gb(rep['master_bytes'])} optim {_gb(rep['optim_bytes'])}")
         fits = "fits" if rep["peak_bytes"] <= mem_bytes else "DOES NOT FIT"
-        lines.append(f"  peak (GB): {_gb(rep['peak_bytes'])} of {_gb(mem_bytes)} ({fits}); at the peak:")
+        lines.append(f"  build peak (GB): {_gb(rep['build_peak_bytes'])} (the whole model, before it is sharded)")
+        lines.append(f"  step peak (GB):  {_gb(rep['peak_bytes'])} of {_gb(mem_bytes)} ({fits}); at the peak:")
         lines.append("    " + "  ".join(f"{k} {v / 1e9:.3f}" for k, v in rep["peak_split"].items()))
         lines.append("  collectives of one step: op, group (size), calls, buffer GB, GB this rank sends")
         for c in rep["comm"]:

@@ -27,6 +27,9 @@ from torch.utils._pytree import tree_leaves
 #: a new snapshot of the live storages is taken when the live bytes exceed the last one by this fraction
 SNAPSHOT_STEP = 0.002
 
+#: ``tensor.device`` as dispatched under a mode
+DEVICE_OP = torch.ops.prim.device.default
+
 #: the categories of :meth:`LiveMemory.split`, in report order
 CATEGORIES = ("params", "grads", "masters", "optim", "buffers", "activations", "temporaries")
 
@@ -79,6 +82,12 @@ class LiveMemory(TorchDispatchMode):
             if self.current > self._snapshot_bytes * (1 + SNAPSHOT_STEP):
                 self._snapshot, self._snapshot_bytes = dict(self.sizes), self.current
 
+    def new_phase(self) -> int:
+        """Start counting the peak afresh from the bytes live now (e.g. after the build); returns the peak so far."""
+        before, self.peak = self.peak, self.current
+        self._snapshot, self._snapshot_bytes = dict(self.sizes), self.current
+        return before
+
     def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         sid = self._ids.get(storage._cdata)
         if sid is not None and sid in self.sizes:
@@ -88,6 +97,8 @@ class LiveMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func is DEVICE_OP:  # most calls by far, and they make no tensor
+            return out
         for t in tree_leaves(out):
             if isinstance(t, Tensor):
                 self._track(t)

@@ -8,7 +8,12 @@ own ``_forward_backward`` and ``_sync_gradients``, the stack's ``step`` and ``ze
 collective and the routers' bias update. What cannot run on fake tensors is left out: reading the loss, the
 gradient norm and the finite flag to the host (the step is always taken), data loading (the micro-batches
 are fake token ids), metrics, checkpoints and evaluation. The all-to-all dispatchers take balanced split
-sizes in place of the routing's (:mod:`moeforge.parallel.expert.splits`).
+sizes in place of the routing's (:mod:`moeforge.parallel.expert.splits`). A step runs at most
+``micro_batch_limit`` of its micro-batches; its collectives are made up to the full count
+(:mod:`moeforge.plan.dryrun.micro_batches`).
+
+The kernels are those ``auto`` picks on a GPU (``select_kernels`` for ``"cuda"``: SDPA, the loss on logits, no
+row padding of the grouped GEMM), as the planner models them, whatever device the fake tensors are on.
 
 The mesh is built before the fake tensors: ``init_device_mesh`` reads its rank tensor on the host.
 """
@@ -16,6 +21,7 @@ The mesh is built before the fake tensors: ``init_device_mesh`` reads its rank t
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +32,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from moeforge.config import Config, validate_layout
+from moeforge.optim.schedule import lr_at
 from moeforge.parallel.data_parallel.ddp import DDPStack
 from moeforge.parallel.memory import local_tensor, measure_state
 from moeforge.parallel.mesh import MoEMesh, build_mesh
 from moeforge.plan.dryrun.collectives import Collective, CollectiveLog
 from moeforge.plan.dryrun.live_memory import LiveMemory
+from moeforge.plan.dryrun.micro_batches import DEFAULT_LIMIT, full_step, marking, run_count
 from moeforge.train.step_guard import all_finite, weights_finite
 from moeforge.train.trainer import Trainer
 
@@ -41,13 +49,16 @@ class RankReport:
 
     rank: int
     state: dict[str, int]  # measure_state's keys: the bytes RUN/memory.json records
-    peak_bytes: int  # the most bytes live at once over the steps
+    peak_bytes: int  # the most bytes live at once over the steps (from the end of the build on)
     peak_split: dict[str, int]  # live_memory.CATEGORIES at the peak
-    collectives: list[Collective]  # the last step's, in issue order
+    collectives: list[Collective]  # the last step's, in issue order (of the full micro-batch count)
     build_s: float
     step_s: float
     roles: dict[str, int] = field(default_factory=dict)  # pp/dp/ep/tp/cp indices of the rank
     group_names: dict[tuple[int, ...], str] = field(default_factory=dict)  # ranks -> the mesh groups' names
+    micro_batches: int = 1  # of a step, as the config makes them
+    micro_batches_run: int = 1  # of them the dry run ran (micro_batches.py)
+    build_peak_bytes: int = 0  # the most bytes live at once while the trainer was built
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -56,8 +67,11 @@ class RankReport:
             "roles": self.roles,
             **self.state,
             "peak_bytes": self.peak_bytes,
+            "build_peak_bytes": self.build_peak_bytes,
             "peak_split": self.peak_split,
             "collectives": [c.to_json() | {"group": self.group_names.get(c.ranks, "")} for c in self.collectives],
+            "micro_batches": self.micro_batches,
+            "micro_batches_run": self.micro_batches_run,
             "build_s": round(self.build_s, 3),
             "step_s": round(self.step_s, 3),
         }
@@ -131,23 +145,30 @@ def micro_batch_count(cfg: Config, mesh: MoEMesh) -> int:
     return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dp))
 
 
-def dry_run_rank(cfg: Config, world: int, rank: int, steps: int = 1, device_type: str = "cpu") -> RankReport:
-    """Run ``steps`` training steps of ``cfg`` as ``rank`` of ``world`` on fake tensors (see the module)."""
+def dry_run_rank(
+    cfg: Config,
+    world: int,
+    rank: int,
+    steps: int = 1,
+    device_type: str = "cpu",
+    micro_batch_limit: int = DEFAULT_LIMIT,
+) -> RankReport:
+    """Run ``steps`` training steps of ``cfg`` as ``rank`` of ``world`` on fake tensors (see the module), each
+    with at most ``micro_batch_limit`` micro-batches (0: all; :mod:`~moeforge.plan.dryrun.micro_batches`)."""
     if cfg.model.vocab_size <= 0:
         from moeforge.config import ConfigError
 
         raise ConfigError("model.vocab_size: the dry run needs it set (> 0), e.g. model.vocab_size: 50304")
     validate_layout(cfg, world)
     cfg = copy.deepcopy(cfg)
-    cfg.model.moe.cpu_group_align = 1  # a GPU's grouped GEMM takes groups as they are (the CPU pads bf16 rows)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        return _run(cfg, rank, steps, device_type)
+        return _run(cfg, rank, steps, device_type, micro_batch_limit)
     finally:
         dist.destroy_process_group()
 
 
-def _run(cfg: Config, rank: int, steps: int, device_type: str) -> RankReport:
+def _run(cfg: Config, rank: int, steps: int, device_type: str, limit: int) -> RankReport:
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
     t0 = time.perf_counter()
     mesh = build_mesh(cfg.parallel, "cpu")  # the fake group's rank tensors live on the host
@@ -156,21 +177,26 @@ def _run(cfg: Config, rank: int, steps: int, device_type: str) -> RankReport:
         log.enabled = False
         trainer = Trainer.for_dry_run(cfg, mesh, device)
         build_s = time.perf_counter() - t0
+        gc.collect()  # the build's temporaries (the whole model before sharding) go before the steps are counted
+        build_peak = live.new_phase()
         n_micro = micro_batch_count(cfg, mesh)
+        n_run = run_count(n_micro, limit, mesh.pp)
         seq = cfg.data.seq_len + 1  # windows of inputs and their next-token targets
         t1 = time.perf_counter()
         labels: dict[str, set[int]] = {}
-        from moeforge.optim.schedule import lr_at
-
         for step in range(steps):
-            log.records.clear()
+            log.clear()
             log.enabled = step == steps - 1
             trainer.stack.set_lr(lr_at(step, cfg.train.max_steps, cfg.optim))
-            batches = [torch.zeros(cfg.train.micro_batch_size, seq, dtype=torch.long, device=device)] * n_micro
-            labels = _one_step(trainer, batches, live)
+            batches = [torch.zeros(cfg.train.micro_batch_size, seq, dtype=torch.long, device=device)] * n_run
+            with marking(trainer.stack, log):
+                labels = _one_step(trainer, batches, live)
             log.enabled = False
         step_s = (time.perf_counter() - t1) / max(steps, 1)
         split = live.split(labels)
         state = trainer._last_state  # type: ignore[attr-defined]
     names = group_names(mesh)
-    return RankReport(rank, state, live.peak, split, list(log.records), build_s, step_s, _roles(mesh), names)
+    records = full_step(log.records, log.marks, n_micro) if mesh.pp == 1 else list(log.records)
+    return RankReport(
+        rank, state, live.peak, split, records, build_s, step_s, _roles(mesh), names, n_micro, n_run, build_peak
+    )
