@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from moeforge.config import Config
+from moeforge.config import Config, load_config
 from moeforge.parallel.memory import STATE_KEYS, predict_state
 from moeforge.plan.dryrun.collectives import CollectiveLog
 from moeforge.plan.dryrun.command import default_ranks, dry_run
@@ -115,3 +115,30 @@ def test_a_step_of_two_micro_batches_stands_for_the_full_count(tmp_path: Path) -
             assert short[key] == full[key], (extra, key, short[key], full[key])
         assert short["collectives"] == full["collectives"], extra
         assert len({c["op"] for c in full["collectives"]}) >= 2, extra
+
+
+# ---------------------------------------------------------------- the presets at the world sizes they name
+
+#: (preset, world, stack overrides, rank). Depth is cut to 4 layers (the 1.2T's three dense layers and one MoE
+#: layer) to keep CI short: every layer's widths, the expert count and the world size are the preset's, and state
+#: bytes are a sum over identical layers, so the planner's formula is checked at scale; the full-depth runs are
+#: the commands of docs/dry-run.md.
+PRESETS = [
+    ("moe-47b.yaml", 8, [], 7),
+    ("moe-47b.yaml", 8, ["--parallel.stack=fsdp", "--parallel.ep=1"], 7),
+    ("moe-1.2t.yaml", 512, [], 511),
+]
+
+
+def test_presets_dry_run_at_scale_and_equal_the_planner() -> None:
+    root = Path(__file__).resolve().parents[1] / "configs" / "presets"
+    for preset, world, extra, rank in PRESETS:
+        cfg = load_config(root / preset, ["--model.n_layers=4", *extra])
+        (rep,) = dry_run(cfg, world, [rank])["ranks"]
+        predicted = predict_state(cfg, world)[rank]
+        for key in STATE_KEYS:
+            assert rep[key] == predicted[key], (preset, extra, key, rep[key], predicted[key])
+        assert rep["micro_batches_run"] == 2 < rep["micro_batches"], (preset, rep["micro_batches"])
+        assert rep["peak_bytes"] > sum(rep[k] for k in STATE_KEYS), preset
+        ops = {c["op"] for c in rep["collectives"]}
+        assert ("alltoall_base_" in ops) == (cfg.parallel.ep > 1), (preset, ops)

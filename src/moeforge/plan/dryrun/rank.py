@@ -20,16 +20,20 @@ The mesh is built before the fake tensors: ``init_device_mesh`` reads its rank t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import _disable_current_modes
 
 from moeforge.config import Config, validate_layout
 from moeforge.optim.schedule import lr_at
@@ -168,12 +172,29 @@ def dry_run_rank(
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def meshes_on_the_host() -> Iterator[None]:
+    """Build every ``DeviceMesh`` outside the dispatch modes: it reads its rank tensor on the host, which fake
+    tensors cannot (FSDP2 joins an expert mesh to its tensor-parallel one inside ``fully_shard``)."""
+    init = DeviceMesh.__init__
+
+    def host_init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with _disable_current_modes():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = host_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
+
+
 def _run(cfg: Config, rank: int, steps: int, device_type: str, limit: int) -> RankReport:
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
     t0 = time.perf_counter()
     mesh = build_mesh(cfg.parallel, "cpu")  # the fake group's rank tensors live on the host
     log = CollectiveLog()
-    with FakeTensorMode(allow_non_fake_inputs=True), LiveMemory() as live, log:
+    with meshes_on_the_host(), FakeTensorMode(allow_non_fake_inputs=True), LiveMemory() as live, log:
         log.enabled = False
         trainer = Trainer.for_dry_run(cfg, mesh, device)
         build_s = time.perf_counter() - t0
