@@ -10,7 +10,7 @@ import torch.distributed as dist
 from moeforge.config import Config, load_config
 from moeforge.parallel.memory import STATE_KEYS, predict_state
 from moeforge.plan.dryrun.collectives import CollectiveLog
-from moeforge.plan.dryrun.command import default_ranks, dry_run
+from moeforge.plan.dryrun.command import default_ranks, dry_run, format_dry_run
 from moeforge.testing import run_distributed_test
 from moeforge.train.trainer import Trainer
 
@@ -134,7 +134,10 @@ def test_presets_dry_run_at_scale_and_equal_the_planner() -> None:
     root = Path(__file__).resolve().parents[1] / "configs" / "presets"
     for preset, world, extra, rank in PRESETS:
         cfg = load_config(root / preset, ["--model.n_layers=4", *extra])
-        (rep,) = dry_run(cfg, world, [rank])["ranks"]
+        result = dry_run(cfg, world, [rank])
+        (rep,) = result["ranks"]
+        text = format_dry_run(result, preset, 80e9)
+        assert f"ran 2 of the step's {rep['micro_batches']} micro-batches" in text, text
         predicted = predict_state(cfg, world)[rank]
         for key in STATE_KEYS:
             assert rep[key] == predicted[key], (preset, extra, key, rep[key], predicted[key])
