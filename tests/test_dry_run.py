@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
+from moeforge.cli import main
 from moeforge.config import Config, load_config
 from moeforge.parallel.memory import STATE_KEYS, predict_state
 from moeforge.plan.dryrun.collectives import CollectiveLog
@@ -145,3 +147,25 @@ def test_presets_dry_run_at_scale_and_equal_the_planner() -> None:
         assert rep["peak_bytes"] > sum(rep[k] for k in STATE_KEYS), preset
         ops = {c["op"] for c in rep["collectives"]}
         assert ("alltoall_base_" in ops) == (cfg.parallel.ep > 1), (preset, ops)
+
+
+def test_the_command_reports_and_exits_2_with_one_line_when_it_does_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "model: {vocab_size: 300, d_model: 32, n_layers: 2, n_heads: 4, dense_hidden: 64, max_seq_len: 64,\n"
+        "        moe: {num_experts: 4, top_k: 2, expert_hidden: 32}}\n"
+        "data: {seq_len: 32}\n"
+        f"train: {{global_batch_size: 8, micro_batch_size: 2, run_dir: {tmp_path / 'run'}}}\n"
+        "parallel: {ep: 2}\n"
+    )
+    plan = ["plan", str(config), "--world", "2", "--dry-run"]
+    assert main([*plan, "--mem-gb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batches" not in out and "step peak (GB)" in out and "(fits)" in out, out
+    assert main([*plan, "--mem-gb", "1e-6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit: rank 0 peaks at" in err[0], err
+    assert main([*plan, "--ranks", "5"]) == 2
+    assert "--ranks: each rank must be in [0, 2)" in capsys.readouterr().err

@@ -300,7 +300,7 @@ def device_memory_bytes(device: str, mem_gb: float | None) -> float:
 
 def run_dry_run_command(args: argparse.Namespace, overrides: list[str]) -> int:
     """``moeforge plan --dry-run``: the report (or JSON) on stdout; 2 with one line for a config that cannot
-    run, or, after the report, for one whose peak on some rank exceeds the device's memory."""
+    run, or, after the report, for one whose step peak or build peak on some rank exceeds the device's memory."""
     from moeforge.plan.dryrun.command import dry_run, format_dry_run, parse_ranks
 
     try:
@@ -324,6 +324,15 @@ def run_dry_run_command(args: argparse.Namespace, overrides: list[str]) -> int:
             f"moeforge plan: does not fit: rank {worst['rank']} peaks at {worst['peak_bytes'] / GB:.1f} GB, "
             f"beyond the {mem_bytes / GB:.1f} GB of --device {args.device}; raise parallel.ep, use the fsdp "
             "stack, train.activation_checkpointing=full or a smaller train.micro_batch_size\n"
+        )
+        return 2
+    built = [r for r in result["ranks"] if r["build_peak_bytes"] > mem_bytes]
+    if built:
+        worst = max(built, key=lambda r: r["build_peak_bytes"])
+        sys.stderr.write(
+            f"moeforge plan: does not fit: the build peaks at {worst['build_peak_bytes'] / GB:.1f} GB on rank "
+            f"{worst['rank']}, beyond the {mem_bytes / GB:.1f} GB of --device {args.device}: every rank builds the "
+            "whole model in fp32 before the stack shards it; the step itself fits\n"
         )
         return 2
     return 0

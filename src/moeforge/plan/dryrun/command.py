@@ -89,7 +89,10 @@ def format_dry_run(result: dict[str, Any], config: str, mem_bytes: float) -> str
         lines.append("  state (GB):   params " + " grads ".join([_gb(rep["params_bytes"]), _gb(rep["grads_bytes"])]))
         lines.append(f"               masters {_gb(rep['master_bytes'])} optim {_gb(rep['optim_bytes'])}")
         fits = "fits" if rep["peak_bytes"] <= mem_bytes else "DOES NOT FIT"
-        lines.append(f"  build peak (GB): {_gb(rep['build_peak_bytes'])} (the whole model, before it is sharded)")
+        built = "fits" if rep["build_peak_bytes"] <= mem_bytes else "DOES NOT FIT"
+        lines.append(
+            f"  build peak (GB): {_gb(rep['build_peak_bytes'])} ({built}: the whole fp32 model, before sharding)"
+        )
         lines.append(f"  step peak (GB):  {_gb(rep['peak_bytes'])} of {_gb(mem_bytes)} ({fits}); at the peak:")
         lines.append("    " + "  ".join(f"{k} {v / 1e9:.3f}" for k, v in rep["peak_split"].items()))
         lines.append("  collectives of one step: op, group (size), calls, buffer GB, GB this rank sends")
