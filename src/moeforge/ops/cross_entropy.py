@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
 #: elements of one chunk of :func:`xent_rows_` (128K: 16 rows of a 8192-entry vocabulary, 512 KB in fp32): the
@@ -102,7 +103,7 @@ def _check_once(ctx: Any) -> None:
 
 def _scale_(grad: Tensor | None, grad_out: Tensor) -> None:
     """Multiply the incoming gradient into a stored one, in place; skipped when it is a CPU 1 (read for free)."""
-    if grad is not None and (grad_out.device.type != "cpu" or bool(grad_out != 1)):
+    if grad is not None and (grad_out.device.type != "cpu" or is_fake(grad_out) or bool(grad_out != 1)):
         grad.mul_(grad_out)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from moeforge.ops.mkl_batch import accumulate_grouped_wgrad_, has_mkl_batch
@@ -22,11 +23,21 @@ def has_grouped_mm() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+def _gmm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """``torch._grouped_mm``; on fake tensors in another dtype than bf16 (the dry run of an fp32 model) an
+    empty result of its shape, since torch's fake rule for it is the CUDA kernel's, which takes bf16 only."""
+    if a.dtype != torch.bfloat16 and is_fake(a):
+        if b.ndim == 3:  # (R, K) x (G, K, N) -> (R, N)
+            return a.new_empty((a.shape[0], b.shape[-1]))
+        return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))  # (K, R) x (R, N) over R -> (G, K, N)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w, offsets)
-        return torch._grouped_mm(x, w, offs=offsets)
+        return _gmm(x, w, offs=offsets)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -34,16 +45,16 @@ class _GroupedMM(torch.autograd.Function):
         grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offsets)
+            dx = _gmm(grad, w.transpose(-2, -1), offs=offsets)
         if ctx.needs_input_grad[1]:
             if w.transpose(-2, -1).is_contiguous():
                 # w is the transposed view of a (G, N, K) weight (the experts' layout): compute the
                 # gradient in that storage order, (N, rows) x (rows, K) -> (G, N, K), and hand back its
                 # transposed view, so that accumulating it into the weight's .grad needs no strided copy
-                dw = torch._grouped_mm(grad.t(), x, offs=offsets).transpose(-2, -1)
+                dw = _gmm(grad.t(), x, offs=offsets).transpose(-2, -1)
             else:
                 # (K, rows) x (rows, N) grouped over rows -> (G, K, N)
-                dw = torch._grouped_mm(x.t(), grad, offs=offsets)
+                dw = _gmm(x.t(), grad, offs=offsets)
             dw = dw.to(w.dtype)
         return dx, dw, None
 
@@ -57,17 +68,17 @@ class _GroupedMMWgradInPlace(torch.autograd.Function):
         # the parameter itself, not through save_for_backward: under saved-tensor hooks (the memory meter,
         # activation checkpointing) a saved leaf comes back as a new tensor whose .grad is not the parameter's
         ctx.weight = weight
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return _gmm(x, weight.transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         x, offsets = ctx.saved_tensors
         weight = ctx.weight
         grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
-        dx = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
+        dx = _gmm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             if weight.grad is None:  # the first contribution becomes .grad, as autograd would make it
-                weight.grad = torch._grouped_mm(grad.t(), x, offs=offsets)
+                weight.grad = _gmm(grad.t(), x, offs=offsets)
             else:
                 accumulate_grouped_wgrad_(weight.grad, grad, x.contiguous(), offsets)
         # no gradient for `weight`: autograd still runs its AccumulateGrad node with nothing to add, and with it

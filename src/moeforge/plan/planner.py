@@ -251,6 +251,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="h200", choices=sorted(DEVICES), help="device for memory size and peak")
     parser.add_argument("--mem-gb", type=float, default=None, help="device memory in GB (overrides --device)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the real trainer's build and steps on fake tensors under a fake process group (docs/dry-run.md)",
+    )
+    parser.add_argument("--ranks", default=None, help="dry run: ranks to run, e.g. 0,7 (default: one per role)")
+    parser.add_argument("--dry-run-steps", type=int, default=1, help="dry run: optimizer steps (the last is logged)")
+    parser.add_argument(
+        "--dry-run-micro-batches",
+        type=int,
+        default=2,
+        help="dry run: micro-batches each step runs, the rest counted from them (0: all of the step's)",
+    )
     parser.epilog = "Override any config field as for train: --section.field=value, e.g. --train.micro_batch_size=2"
 
 
@@ -260,6 +273,8 @@ def run_plan(args: argparse.Namespace, overrides: list[str] | None = None) -> in
     ``overrides`` are dotted ``--section.field=value`` arguments, as for ``train``.
     """
     overrides = list(overrides or [])
+    if getattr(args, "dry_run", False):
+        return run_dry_run_command(args, overrides)
     try:
         cfg = load_config(args.config, overrides)
         plan = make_plan(cfg, args.world, args.device, args.mem_gb)
@@ -270,6 +285,56 @@ def run_plan(args: argparse.Namespace, overrides: list[str] | None = None) -> in
         sys.stdout.write(json.dumps(plan, indent=2) + "\n")
     else:
         sys.stdout.write(format_plan(plan, str(args.config)))
+    return 0
+
+
+def device_memory_bytes(device: str, mem_gb: float | None) -> float:
+    """Bytes of one rank's device: ``--mem-gb`` (decimal GB), else the device's, else this host's RAM."""
+    if mem_gb is not None:
+        if mem_gb <= 0:
+            raise ConfigError(f"--mem-gb: must be > 0, got {mem_gb}")
+        return mem_gb * GB
+    spec = get_device(device)
+    return spec.memory_bytes if spec.memory_bytes is not None else _host_memory_bytes()
+
+
+def run_dry_run_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``moeforge plan --dry-run``: the report (or JSON) on stdout; 2 with one line for a config that cannot
+    run, or, after the report, for one whose step peak or build peak on some rank exceeds the device's memory."""
+    from moeforge.plan.dryrun.command import dry_run, format_dry_run, parse_ranks
+
+    try:
+        cfg = load_config(args.config, overrides)
+        if cfg.model.vocab_size <= 0:
+            raise ConfigError("model.vocab_size: the dry run needs it set (> 0), e.g. model.vocab_size: 50304")
+        mem_bytes = device_memory_bytes(args.device, args.mem_gb)
+        ranks = parse_ranks(args.ranks, cfg, args.world)
+        result = dry_run(cfg, args.world, ranks, args.dry_run_steps, args.dry_run_micro_batches)
+    except (ConfigError, ValueError) as e:
+        sys.stderr.write(f"moeforge plan: {e}\n")
+        return 2
+    result["device_memory_bytes"] = mem_bytes
+    sys.stdout.write(
+        json.dumps(result, indent=1) + "\n" if args.json else format_dry_run(result, args.config, mem_bytes)
+    )
+    over = [r for r in result["ranks"] if r["peak_bytes"] > mem_bytes]
+    if over:
+        worst = max(over, key=lambda r: r["peak_bytes"])
+        sys.stderr.write(
+            f"moeforge plan: does not fit: rank {worst['rank']} peaks at {worst['peak_bytes'] / GB:.1f} GB, "
+            f"beyond the {mem_bytes / GB:.1f} GB of --device {args.device}; raise parallel.ep, use the fsdp "
+            "stack, train.activation_checkpointing=full or a smaller train.micro_batch_size\n"
+        )
+        return 2
+    built = [r for r in result["ranks"] if r["build_peak_bytes"] > mem_bytes]
+    if built:
+        worst = max(built, key=lambda r: r["build_peak_bytes"])
+        sys.stderr.write(
+            f"moeforge plan: does not fit: the build peaks at {worst['build_peak_bytes'] / GB:.1f} GB on rank "
+            f"{worst['rank']}, beyond the {mem_bytes / GB:.1f} GB of --device {args.device}: every rank builds the "
+            "whole model in fp32 before the stack shards it; the step itself fits\n"
+        )
+        return 2
     return 0
 
 

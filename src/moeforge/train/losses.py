@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from moeforge.model import MoETransformer
@@ -36,7 +37,7 @@ def lm_loss_fn(logits: Tensor, targets: Tensor, upcast: bool = True) -> Tensor:
     if isinstance(logits, DTensor):
         return vocab_parallel_cross_entropy(logits, targets)
     flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    if logits.device.type == "cpu":
+    if logits.device.type == "cpu" and not is_fake(logits):  # fake tensors (the dry run) model a GPU's program
         if not torch.is_grad_enabled():  # evaluation: its forward computes no gradient then
             flat = flat.detach()
         return ChunkedCrossEntropy.apply(flat, flat_targets)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from moeforge.errors import TRAINING
 from moeforge.parallel.mesh import MoEMesh
@@ -24,7 +25,7 @@ def all_finite(flag: Tensor, mesh: MoEMesh) -> bool:
     t = flag.reshape(1).to(torch.int32)
     if mesh.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mesh.world_group)
-    return bool(t.item())
+    return True if is_fake(t) else bool(t.item())  # fake tensors (the dry run) hold no value to read
 
 
 def weights_finite(model: nn.Module) -> Tensor:

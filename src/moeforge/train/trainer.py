@@ -100,20 +100,7 @@ class Trainer:
             )
         # train.memory_check: one line and exit 2 for a model that cannot fit, before it is allocated
         check_fit(cfg, self.mesh.world_size, self.device, self.local_world, report=self.is_main)
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
-        # kernels and numerics by fixed rules from the config and the device kind, never by a timing
-        self.kernels: KernelChoice = apply_kernels(model, select_kernels(cfg, self.device))
-        self.stages: RankStages | None = None  # this rank's pipeline stages (parallel.pp > 1)
-        if self.mesh.pp > 1:
-            self.stages = rank_stages(cfg, self.mesh.pp_rank)
-            carve_stages(model, self.stages)  # only this rank's stages' parts stay (parameter names unchanged)
-        self.lowp = apply_low_precision(model, cfg, self.device)  # mxfp8 / fp8_rowwise GEMMs (None otherwise)
-        self.stack: TrainingStack = build_stack(model, cfg, self.mesh)
-        self.model: MoETransformer = model
-        self.pipeline: PipelineRunner | None = None
-        if self.stages is not None:
-            self.pipeline = build_pipeline(model, self.stages, cfg, self.mesh, self.device)
+        self._build_model()
         self.train_data = TokenWindows.from_meta(self.meta, "train", cfg.data.seq_len)
         self.val_data = TokenWindows.from_meta(self.meta, "val", cfg.data.seq_len)
         self.loader = ShardedLoader(
@@ -133,9 +120,51 @@ class Trainer:
         self.memory: dict[str, Any] | None = None  # measured after the first step (RUN/memory.json)
         self.activation_bytes = 0  # saved for backward by the first micro-batch (not measured under pp)
         self.metrics = MetricsWriter.from_config(cfg, enabled=self.is_main)
-        self.autocast_dtype = None if cfg.train.precision == "fp32" else torch.bfloat16  # lowp: the rest in bf16
         # creating the manager is collective (async save makes its own group): every rank, same point
         self.checkpointer = CheckpointManager.from_config(self.run_dir, cfg.train, self.device, self.mesh)
+
+    def _build_model(self, kernel_device: str | None = None) -> None:
+        """The model, its kernels, this rank's pipeline stages, the stack and optimizer, the pipeline runner.
+
+        The part of the build ``moeforge plan --dry-run`` shares (:meth:`for_dry_run`): no data, no run dir.
+        ``kernel_device``: the device kind the kernels are chosen for (default: this rank's device's).
+        """
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model, seed=cfg.train.seed, device=self.device)
+        # kernels and numerics by fixed rules from the config and the device kind, never by a timing
+        choice = select_kernels(cfg, kernel_device or self.device)
+        self.kernels: KernelChoice = apply_kernels(model, choice)
+        self.stages: RankStages | None = None  # this rank's pipeline stages (parallel.pp > 1)
+        if self.mesh.pp > 1:
+            self.stages = rank_stages(cfg, self.mesh.pp_rank)
+            carve_stages(model, self.stages)  # only this rank's stages' parts stay (parameter names unchanged)
+        self.lowp = apply_low_precision(model, cfg, self.device)  # mxfp8 / fp8_rowwise GEMMs (None otherwise)
+        self.stack: TrainingStack = build_stack(model, cfg, self.mesh)
+        self.model: MoETransformer = model
+        self.pipeline: PipelineRunner | None = None
+        if self.stages is not None:
+            self.pipeline = build_pipeline(model, self.stages, cfg, self.mesh, self.device)
+        self.autocast_dtype = None if cfg.train.precision == "fp32" else torch.bfloat16  # lowp: the rest in bf16
+
+    @classmethod
+    def for_dry_run(cls, cfg: Config, mesh: MoEMesh, device: torch.device, kernel_device: str = "cuda") -> Trainer:
+        """A trainer with only :meth:`_build_model` done, for the dry run's steps under fake tensors, its kernels
+        those ``auto`` picks on a ``kernel_device`` (the dry run models a GPU's program on the host's fake tensors).
+
+        Left out, as they cannot run on fake tensors or touch the disk: the run lock, data preparation and
+        loaders, the fit check, metrics and the checkpoint manager; ``cfg.model.vocab_size`` must be set.
+        """
+        self = cls.__new__(cls)
+        self.cfg, self.callbacks, self.stop_request = cfg, [], StopRequest()
+        self.device, self.mesh, self.rank = device, mesh, mesh.rank
+        self.is_main, self.local_world, self.lock = mesh.rank == 0, 1, None
+        self.run_dir = Path(cfg.train.run_dir)
+        self._build_model(kernel_device)
+        self.step = 0
+        self.memory = {}  # not measured: the dry run counts its own tensors
+        self.activation_bytes = 0
+        return self
 
     # ------------------------------------------------------------------ steps
 
@@ -191,16 +220,22 @@ class Trainer:
             self.activation_bytes = meter.bytes
         return sums, load.sum
 
-    def _finish_step(self, sums: Tensor, load_rows: Tensor, n_micro: int) -> StepResult:
-        """Gradient sync, global norm and clip, the step's one collective, the guarded step, router biases."""
-        model, stack, cfg, mesh = self.model, self.stack, self.cfg, self.mesh
-        self.checkpointer.fence()  # an overlapped async save may still be copying the weights and moments
+    def _sync_gradients(self, sums: Tensor, load_rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Gradient sync, global norm and clip, and the step's one collective: ``(packed sums, grad norm)``."""
+        stack, mesh = self.stack, self.mesh
         stack.finish_grad_sync()
-        grad_norm = stack.clip_grad_norm_(cfg.optim.grad_clip)
+        grad_norm = stack.clip_grad_norm_(self.cfg.optim.grad_clip)
         # The step's one collective: losses and every layer's load, summed over all ranks (all stages).
         # A caught stop signal rides on it too, so every rank stops after the same step.
         stop = torch.tensor([float(self.stop_request.signum == s) for s in SIGNALS], device=sums.device)
         packed = all_reduce_sum(torch.cat([sums, stop, load_rows.reshape(-1)]), mesh.world_group)
+        return packed, grad_norm
+
+    def _finish_step(self, sums: Tensor, load_rows: Tensor, n_micro: int) -> StepResult:
+        """Gradient sync, global norm and clip, the step's one collective, the guarded step, router biases."""
+        model, stack, cfg, mesh = self.model, self.stack, self.cfg, self.mesh
+        self.checkpointer.fence()  # an overlapped async save may still be copying the weights and moments
+        packed, grad_norm = self._sync_gradients(sums, load_rows)
         values = packed.cpu()
         # tp ranks hold the same loss; cp ranks the means of their chunks (equally many tokens)
         loss, lm, aux, z = (values[:4] / (mesh.dp_cp * mesh.tp)).tolist()

@@ -62,6 +62,12 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 SHARD_ALIGN = 16  # elements; keeps every shard 64-byte aligned in fp32
 
 
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """True when ``a`` and ``b`` start at the same element of the same storage (fake tensors too, whose
+    ``data_ptr`` is 0 for all)."""
+    return a.untyped_storage() is b.untyped_storage() and a.storage_offset() == b.storage_offset()
+
+
 @dataclass
 class BucketEntry:
     """One parameter's place in a bucket: elements ``[offset, offset + numel)``."""
@@ -142,7 +148,7 @@ class GradBucket:
                 view.add_(local_tensor(grad))
                 e.param.grad = None
             return
-        if grad is not None and local_tensor(grad).data_ptr() == view.data_ptr():
+        if grad is not None and _same_view(local_tensor(grad), view):
             return
         if grad is None:
             view.zero_()

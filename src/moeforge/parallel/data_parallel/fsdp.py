@@ -22,6 +22,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -136,7 +137,12 @@ class FSDPStack(TrainingStack):
             dist.all_reduce(square, group=self.pp_group)  # over the stages
         norm = square.sqrt().float()
         if max_norm > 0:
-            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            # fake tensors (the dry run) have no norm to read: the same in-place scaling by a tensor
+            coef = (
+                (max_norm / (norm + 1e-6)).clamp(max=1.0)
+                if is_fake(norm)
+                else min(1.0, max_norm / (float(norm) + 1e-6))
+            )
             for g in grads:
                 g.mul_(coef)
         return norm

@@ -38,6 +38,7 @@ from moeforge.model.moe.dispatch import (
     sort_routes,
     weighted_unpermute,
 )
+from moeforge.parallel.expert.splits import read_splits
 
 
 class _AllToAll(torch.autograd.Function):
@@ -153,8 +154,8 @@ class AllToAllDispatcher(Dispatcher):
         dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
         send_per_rank = counts.view(ep, local_e).sum(dim=1)
         recv_per_rank = recv_counts.view(ep, local_e).sum(dim=1)
-        splits = torch.cat([send_per_rank, recv_per_rank]).tolist()  # the one host sync
-        send_splits, recv_splits = splits[:ep], splits[ep:]
+        both = torch.stack([send_per_rank, recv_per_rank]).unsqueeze(1)  # (2, 1 chunk, ep)
+        (send_splits,), (recv_splits,) = read_splits(both, [n * k], ep, dist.get_rank(self.ep_group))  # host sync
 
         received = all_to_all_rows(rows, recv_splits, send_splits, self.ep_group)
         grouped, offsets, regroup = regroup_by_local_expert(received, recv_counts.view(ep, local_e))

@@ -35,6 +35,7 @@ from moeforge.parallel.expert.alltoall import (
     invert_permutation,
     regroup_by_local_expert,
 )
+from moeforge.parallel.expert.splits import read_splits
 
 
 @dataclass
@@ -130,7 +131,10 @@ class OverlappedAllToAllDispatcher(AllToAllDispatcher):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         send_per_rank, recv_per_rank = send.sum(dim=2), recv.sum(dim=2)  # (ep, chunks)
-        splits = torch.stack([send_per_rank.t(), recv_per_rank.t()]).tolist()  # the one host sync
+        routes = [idx.numel() for _, idx, _ in pieces]
+        splits = read_splits(  # the one host sync
+            torch.stack([send_per_rank.t(), recv_per_rank.t()]), routes, ep, dist.get_rank(group)
+        )
         chunks = []
         for c, ((xc, idx, wc), (order, _)) in enumerate(zip(pieces, sorted_routes)):
             to_experts = _Transfer(splits[1][c], splits[0][c], group)

@@ -1,0 +1,171 @@
+"""``moeforge plan --dry-run`` on a tiny model: the trainer's build and step on fake tensors at world 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from moeforge.cli import main
+from moeforge.config import Config, load_config
+from moeforge.parallel.memory import STATE_KEYS, predict_state
+from moeforge.plan.dryrun.collectives import CollectiveLog
+from moeforge.plan.dryrun.command import default_ranks, dry_run, format_dry_run
+from moeforge.testing import run_distributed_test
+from moeforge.train.trainer import Trainer
+
+from .helpers import tiny_config
+
+NO_PAD = [
+    "--model.moe.cpu_group_align=1",
+    "--model.loss_implementation=default",
+    "--model.attention_implementation=sdpa",
+]
+
+
+def test_dry_run_state_equals_the_planner_and_logs_the_step(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, "--parallel.ep=2", "--parallel.bucket_size_mb=0.02", *NO_PAD)
+    cfg.model.vocab_size = 300
+    result = dry_run(cfg, 2, default_ranks(cfg, 2), steps=2)
+    (rank0,) = result["ranks"]
+    predicted = predict_state(cfg, 2)[0]
+    for key in STATE_KEYS:
+        assert rank0[key] == predicted[key], (key, rank0[key], predicted[key])
+    split = rank0["peak_split"]
+    assert rank0["peak_bytes"] >= sum(split.values()) >= 0.99 * rank0["peak_bytes"]
+    assert split["params"] == rank0["params_bytes"] and split["activations"] > 0
+    ops = [c["op"] for c in rank0["collectives"]]
+    # per MoE layer: counts, dispatch and combine forward, then two row exchanges backward (2 layers)
+    assert ops.count("alltoall_base_") == 2 * 3 + 2 * 2, ops
+    assert "_reduce_scatter_base_" in ops and "_allgather_base_" in ops, ops
+    assert all(c["ranks"] == [0, 1] for c in rank0["collectives"])
+
+
+# ---------------------------------------------------------------- the dry run against the real gloo run
+
+PARITY_LAYOUTS = {
+    "ddp_ep2": ["--parallel.ep=2", "--parallel.bucket_size_mb=0.02"],
+    "fsdp": ["--parallel.stack=fsdp"],
+}
+
+
+def _parity_config(root: Path, name: str, extra: list[str]) -> Config:
+    return tiny_config(root, f"--train.run_dir={root / name}", "--train.max_steps=2", *NO_PAD, *extra)
+
+
+def _real_steps(root: str, layouts: dict[str, list[str]]) -> None:
+    """Each layout's first two real steps (the first writes RUN/memory.json); the second's collectives, logged by
+    the dry run's own :class:`CollectiveLog`, go to ``root/NAME.RANK.json``."""
+    for name, extra in layouts.items():
+        trainer = Trainer(_parity_config(Path(root), name, extra))
+        try:
+            trainer.run_step(trainer.loader.next_step())
+            with CollectiveLog() as log:
+                trainer.run_step(trainer.loader.next_step())
+        finally:
+            trainer.close()
+        out = Path(root) / f"{name}.{dist.get_rank()}.json"
+        out.write_text(json.dumps([c.to_json() for c in log.records]))
+
+
+def _routed(c: dict) -> bool:
+    """A token all-to-all: how many rows each rank receives (and, backward, sends) follows the routing, which the
+    dry run takes as balanced; what all ranks move together does not."""
+    return c["op"].startswith("alltoall") and c["dtype"] != "int64"
+
+
+def _assert_same_collectives(name: str, real: list[list[dict]], dry: list[list[dict]]) -> None:
+    """Per rank the same calls in the same order (op, group, dtype), each with the same bytes; a token all-to-all's
+    bytes summed over the ranks."""
+    assert [len(r) for r in real] == [len(d) for d in dry], (name, [len(r) for r in real], [len(d) for d in dry])
+    for i, calls in enumerate(zip(*real, *dry)):
+        got, want = calls[: len(real)], calls[len(real) :]
+        for g, w in zip(got, want):
+            assert (g["op"], g["ranks"], g["dtype"]) == (w["op"], w["ranks"], w["dtype"]), (name, i, g, w)
+            if not _routed(g):
+                assert (g["in_bytes"], g["out_bytes"]) == (w["in_bytes"], w["out_bytes"]), (name, i, g, w)
+        for key in ("in_bytes", "out_bytes"):
+            assert sum(g[key] for g in got) == sum(w[key] for w in want), (name, i, key, got, want)
+
+
+def test_dry_run_equals_the_real_gloo_run(tmp_path: Path) -> None:
+    world = 2
+    run_distributed_test(_real_steps, world, args=(str(tmp_path), PARITY_LAYOUTS))
+    for name, extra in PARITY_LAYOUTS.items():
+        cfg = _parity_config(tmp_path, name, extra)
+        cfg.model.vocab_size = 300  # the tokenizer's, as the trainer sets it
+        result = dry_run(cfg, world, list(range(world)), steps=2)
+        measured = json.loads((tmp_path / name / "memory.json").read_text())["ranks"]
+        for m, d in zip(measured, result["ranks"], strict=True):
+            for key in STATE_KEYS:
+                assert m[key] == d[key], (name, m["rank"], key, m[key], d[key])
+        real = [json.loads((tmp_path / f"{name}.{r}.json").read_text()) for r in range(world)]
+        dry = [[{k: v for k, v in c.items() if k != "group"} for c in rep["collectives"]] for rep in result["ranks"]]
+        assert all(real), name
+        _assert_same_collectives(name, real, dry)
+
+
+def test_a_step_of_two_micro_batches_stands_for_the_full_count(tmp_path: Path) -> None:
+    for extra in PARITY_LAYOUTS.values():
+        cfg = tiny_config(tmp_path, "--train.global_batch_size=16", "--train.micro_batch_size=2", *NO_PAD, *extra)
+        cfg.model.vocab_size = 300
+        full, short = (dry_run(cfg, 2, [0], steps=1, micro_batch_limit=n)["ranks"][0] for n in (0, 2))
+        assert (full["micro_batches"], full["micro_batches_run"], short["micro_batches_run"]) == (4, 4, 2)
+        for key in (*STATE_KEYS, "peak_bytes"):
+            assert short[key] == full[key], (extra, key, short[key], full[key])
+        assert short["collectives"] == full["collectives"], extra
+        assert len({c["op"] for c in full["collectives"]}) >= 2, extra
+
+
+# ---------------------------------------------------------------- the presets at the world sizes they name
+
+#: (preset, world, stack overrides, rank). Depth is cut to 4 layers (the 1.2T's three dense layers and one MoE
+#: layer) to keep CI short: every layer's widths, the expert count and the world size are the preset's, and state
+#: bytes are a sum over identical layers, so the planner's formula is checked at scale; the full-depth runs are
+#: the commands of docs/dry-run.md.
+PRESETS = [
+    ("moe-47b.yaml", 8, [], 7),
+    ("moe-47b.yaml", 8, ["--parallel.stack=fsdp", "--parallel.ep=1"], 7),
+    ("moe-1.2t.yaml", 512, [], 511),
+]
+
+
+def test_presets_dry_run_at_scale_and_equal_the_planner() -> None:
+    root = Path(__file__).resolve().parents[1] / "configs" / "presets"
+    for preset, world, extra, rank in PRESETS:
+        cfg = load_config(root / preset, ["--model.n_layers=4", *extra])
+        result = dry_run(cfg, world, [rank])
+        (rep,) = result["ranks"]
+        text = format_dry_run(result, preset, 80e9)
+        assert f"ran 2 of the step's {rep['micro_batches']} micro-batches" in text, text
+        predicted = predict_state(cfg, world)[rank]
+        for key in STATE_KEYS:
+            assert rep[key] == predicted[key], (preset, extra, key, rep[key], predicted[key])
+        assert rep["micro_batches_run"] == 2 < rep["micro_batches"], (preset, rep["micro_batches"])
+        assert rep["peak_bytes"] > sum(rep[k] for k in STATE_KEYS), preset
+        ops = {c["op"] for c in rep["collectives"]}
+        assert ("alltoall_base_" in ops) == (cfg.parallel.ep > 1), (preset, ops)
+
+
+def test_the_command_reports_and_exits_2_with_one_line_when_it_does_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "model: {vocab_size: 300, d_model: 32, n_layers: 2, n_heads: 4, dense_hidden: 64, max_seq_len: 64,\n"
+        "        moe: {num_experts: 4, top_k: 2, expert_hidden: 32}}\n"
+        "data: {seq_len: 32}\n"
+        f"train: {{global_batch_size: 8, micro_batch_size: 2, run_dir: {tmp_path / 'run'}}}\n"
+        "parallel: {ep: 2}\n"
+    )
+    plan = ["plan", str(config), "--world", "2", "--dry-run"]
+    assert main([*plan, "--mem-gb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batches" not in out and "step peak (GB)" in out and "(fits)" in out, out
+    assert main([*plan, "--mem-gb", "1e-6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit: rank 0 peaks at" in err[0], err
+    assert main([*plan, "--ranks", "5"]) == 2
+    assert "--ranks: each rank must be in [0, 2)" in capsys.readouterr().err
