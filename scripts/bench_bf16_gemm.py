@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import torch
 
 from moeforge.ops.bf16_gemm import bf16_gemm_in_fp32, native_bf16_gemm
 from moeforge.ops.grouped_gemm import grouped_mm
+from moeforge.train.environment import collect_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,12 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         demo = {s: _demo_step_s(s, args.steps, Path(tmp)) for s in ("native", "fp32")}
     result = {
         "command": "PYTHONPATH=src python " + " ".join(["scripts/bench_bf16_gemm.py", *sys.argv[1:]]),
-        "environment": {
-            "torch": torch.__version__,
+        "env": {
+            **collect_env(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "native_bf16_gemm": native_bf16_gemm(),
-            "threads": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine(),
         },
         "ops": ops,
         "demo_step_s": demo,

@@ -1,8 +1,8 @@
-"""60 steps of the demo config under mxfp8 end within 2% of the bf16 run (issue 14's check, cut from 200
+"""24 steps of the demo config under mxfp8 end within 2% of the bf16 run (issue 14's check, cut from 200
 steps to fit the suite's budget on CPUs without bf16 GEMM instructions).
 
 ``configs/shakespeare.yaml`` as ``make demo`` trains it (model, tokenizer, data, optimizer,
-global batch of 8 x 256 tokens; the schedule scaled to 60 steps), on one process with
+global batch of 8 x 256 tokens; the schedule scaled to 24 steps), on one process with
 micro-batches of 8. The comparison is the validation loss at the end, on the same
 184 held-out windows, which is far less noisy than one training batch.
 """
@@ -17,7 +17,7 @@ from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "shakespeare.yaml"
-STEPS = 60
+STEPS = 24
 TOL = 0.02  # the issue's bound: mxfp8 within 2% of bf16
 
 
@@ -39,7 +39,7 @@ def _run(tmp: Path, precision: str) -> dict[str, float]:
     return Trainer(cfg).fit()
 
 
-def test_demo_config_60_steps_mxfp8_within_2_percent_of_bf16(tmp_path: Path) -> None:
+def test_demo_config_24_steps_mxfp8_within_2_percent_of_bf16(tmp_path: Path) -> None:
     final = {p: _run(tmp_path, p) for p in ("bf16", "mxfp8")}
     a, b = final["mxfp8"]["val_loss"], final["bf16"]["val_loss"]
     assert math.isfinite(a) and abs(a - b) < TOL * b, (a, b)

@@ -194,4 +194,6 @@ def stage_view(model: MoETransformer, layout: StageLayout) -> MoETransformer:
     view.norm = model.norm if layout.is_last else None  # type: ignore[assignment]
     view.lm_head = model.lm_head if layout.is_last else None  # type: ignore[assignment]
     view.positions_fn = model.positions_fn  # hooks other parallelize_* functions set on the whole model
+    view.mtp = None  # multi-token prediction runs on one stage only (refused with pp > 1 by the config)
+    view.last_mtp_loss = None
     return view
