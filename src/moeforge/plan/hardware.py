@@ -8,8 +8,8 @@ Every number is a vendor figure, except the two that no spec sheet gives, which 
 - ``network_gb_s``: the scale-out NIC per GPU, one direction (DGX/HGX H100 and H200: one 400 Gb/s ConnectX-7
   per GPU = 50 GB/s; HGX B300: one 800 Gb/s ConnectX-8 per GPU = 100 GB/s).
 - ``efficiency``: the fraction of the BF16 peak the step's kernels reach together (GEMMs, attention,
-  elementwise work). Assumed 0.5 for every profile.
-- ``latency_us``: the fixed cost of one collective call. Assumed 10 us for every profile.
+  elementwise work): :data:`DEFAULT_EFFICIENCY`, the same for every profile.
+- ``latency_us``: the fixed cost of one collective call (:data:`DEFAULT_LATENCY_US`, the same for every profile).
 
 ``overlap`` maps an op kind (:data:`OP_KINDS`) to the fraction of its time that runs under compute. It is
 empty by default: no communication hides behind compute unless a run states that it does.
