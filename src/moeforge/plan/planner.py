@@ -57,6 +57,7 @@ from moeforge.parallel.tensor.parallelize import tensor_parallel_numel
 from moeforge.plan.activations import _route_factor, activation_bytes
 from moeforge.plan.devices import DEVICES, GB, get_device
 from moeforge.plan.flops import flops_per_token, param_counts
+from moeforge.plan.hardware import Hardware, get_hardware, parse_overlap
 from moeforge.plan.pipeline import pipeline_plan
 from moeforge.plan.tensor import tp_collectives_per_micro_batch
 from moeforge.plan.text import format_plan
@@ -264,6 +265,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="dry run: micro-batches each step runs, the rest counted from them (0: all of the step's)",
     )
+    parser.add_argument(
+        "--hardware",
+        default=None,
+        help="dry run: predict each rank's step time and tokens/s/GPU on a hardware profile (h100, h200, b300; "
+        "docs/dry-run.md)",
+    )
+    parser.add_argument("--efficiency", type=float, default=None, help="--hardware: fraction of the bf16 peak reached")
+    parser.add_argument(
+        "--overlap", default=None, help="--hardware: op kinds' time under compute, e.g. all_gather=1,reduce_scatter=1"
+    )
     parser.epilog = "Override any config field as for train: --section.field=value, e.g. --train.micro_batch_size=2"
 
 
@@ -275,6 +286,9 @@ def run_plan(args: argparse.Namespace, overrides: list[str] | None = None) -> in
     overrides = list(overrides or [])
     if getattr(args, "dry_run", False):
         return run_dry_run_command(args, overrides)
+    if getattr(args, "hardware", None) is not None:
+        sys.stderr.write("moeforge plan: --hardware: the step-time estimate reads a dry run's log; add --dry-run\n")
+        return 2
     try:
         cfg = load_config(args.config, overrides)
         plan = make_plan(cfg, args.world, args.device, args.mem_gb)
@@ -298,12 +312,30 @@ def device_memory_bytes(device: str, mem_gb: float | None) -> float:
     return spec.memory_bytes if spec.memory_bytes is not None else _host_memory_bytes()
 
 
+def _hardware(args: argparse.Namespace) -> Hardware | None:
+    """The ``--hardware`` profile with ``--efficiency`` and ``--overlap`` applied (None without ``--hardware``)."""
+    name = getattr(args, "hardware", None)
+    if name is None:
+        if getattr(args, "efficiency", None) is not None or getattr(args, "overlap", None):
+            raise ConfigError("--efficiency and --overlap: they change the --hardware profile; add --hardware NAME")
+        return None
+    hw = get_hardware(name)
+    changes: dict[str, object] = {}
+    if args.efficiency is not None:
+        changes["efficiency"] = args.efficiency
+    if args.overlap:
+        changes["overlap"] = parse_overlap(args.overlap)
+    return hw.replace(**changes) if changes else hw
+
+
 def run_dry_run_command(args: argparse.Namespace, overrides: list[str]) -> int:
     """``moeforge plan --dry-run``: the report (or JSON) on stdout; 2 with one line for a config that cannot
     run, or, after the report, for one whose step peak or build peak on some rank exceeds the device's memory."""
     from moeforge.plan.dryrun.command import dry_run, format_dry_run, parse_ranks
+    from moeforge.plan.dryrun.step_report import add_step_times, format_step_times
 
     try:
+        hw = _hardware(args)
         cfg = load_config(args.config, overrides)
         if cfg.model.vocab_size <= 0:
             raise ConfigError("model.vocab_size: the dry run needs it set (> 0), e.g. model.vocab_size: 50304")
@@ -314,9 +346,14 @@ def run_dry_run_command(args: argparse.Namespace, overrides: list[str]) -> int:
         sys.stderr.write(f"moeforge plan: {e}\n")
         return 2
     result["device_memory_bytes"] = mem_bytes
-    sys.stdout.write(
-        json.dumps(result, indent=1) + "\n" if args.json else format_dry_run(result, args.config, mem_bytes)
-    )
+    if hw is not None:
+        add_step_times(result, cfg, hw)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+    else:
+        sys.stdout.write(format_dry_run(result, args.config, mem_bytes))
+        if hw is not None:
+            sys.stdout.write(format_step_times(result))
     over = [r for r in result["ranks"] if r["peak_bytes"] > mem_bytes]
     if over:
         worst = max(over, key=lambda r: r["peak_bytes"])
