@@ -111,7 +111,8 @@ def dispatcher_name(trainer: Trainer) -> str:
     layers = trainer.model.moe_layers()
     if not layers:
         return "none"
-    return type(layers[0].dispatcher).__name__.removesuffix("Dispatcher").lower()
+    dispatcher = getattr(layers[0].dispatcher, "inner", layers[0].dispatcher)  # behind an expert placement
+    return type(dispatcher).__name__.removesuffix("Dispatcher").lower()
 
 
 def step_record(trainer: Trainer, result: Any, seconds: float) -> dict[str, Any]:

@@ -35,6 +35,8 @@ class MoEConfig:
     expert_impl: Literal["grouped", "loop"] = "grouped"  # grouped GEMM over all experts, or a loop per expert
     cpu_group_align: int = 64  # CPU, bf16/fp16: pad each expert's rows to a multiple (oneDNN reuses kernels); 1: off
     random_routing: bool = False  # TEST/BENCH ONLY: route uniformly at random (perfect balance on average)
+    random_routing_zipf: float = 0.0  # TEST/BENCH ONLY, random_routing: Zipf exponent of expert popularity (0: uniform)
+    random_routing_drift_every: int = 0  # TEST/BENCH ONLY, zipf > 0: steps between new popularity rankings (0: fixed)
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
     expert_proj_bias: bool = False  # biases on every expert's gate/up and down projections (gpt-oss)
     expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"  # clamped_swiglu: gpt-oss's (up + 1) * glu
@@ -189,6 +191,7 @@ class ParallelConfig:
     fsdp_reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (last block keeps them)
     bucket_size_mb: float = 25.0  # ddp: gradient bucket size; 0: one bucket per transformer block
     grad_accumulation_fusion: bool = True  # not fsdp, pp=1: fp32 CPU experts add weight grads into .grad in place
+    rebalance_every: int = 0  # ddp, ep > 1: re-place experts on the ep ranks every N steps by their load (0: off)
     ep_overlap_chunks: int = 1  # alltoall, ep > 1: tokens travel in this many chunks, overlapped with the experts
     timeout_s: float = 600.0  # collective timeout of the process groups
 

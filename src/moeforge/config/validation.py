@@ -267,6 +267,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     _check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
     _check(p.bucket_size_mb >= 0, "parallel.bucket_size_mb", "must be >= 0 (0: one bucket per transformer block)")
     _check(p.ep_overlap_chunks >= 1, "parallel.ep_overlap_chunks", "must be >= 1 (1: no overlap)")
+    check_rebalance(cfg)
     if p.ep_overlap_chunks > 1:
         _check(
             moe.dispatcher == "alltoall" and p.ep > 1,
@@ -357,6 +358,35 @@ def check_mla(cfg: Config) -> None:
         cfg.train.precision in ("fp32", "bf16"),
         "train.precision",
         f"{cfg.train.precision} does not quantize latent attention yet; use bf16 or model.attention_type=mha",
+    )
+
+
+def check_rebalance(cfg: Config) -> None:
+    """Expert re-placement (``parallel.rebalance_every``) and controlled routing (``model.moe.random_routing_*``)."""
+    p, moe = cfg.parallel, cfg.model.moe
+    _check(
+        p.rebalance_every >= 0,
+        "parallel.rebalance_every",
+        f"must be >= 0 (0: off, N: re-place experts every N steps), got {p.rebalance_every}",
+    )
+    if p.rebalance_every > 0:
+        _check(
+            p.ep > 1 and p.stack == "ddp" and p.pp == 1 and p.tp == 1,
+            "parallel.rebalance_every",
+            f"moves experts between ep ranks: needs parallel.ep > 1, stack=ddp, pp=1 and tp=1 (got ep={p.ep}, "
+            f"stack={p.stack}, pp={p.pp}, tp={p.tp}); set it to 0",
+        )
+    _check(moe.random_routing_zipf >= 0, "model.moe.random_routing_zipf", "must be >= 0 (0: uniform)")
+    _check(
+        moe.random_routing_zipf == 0 or moe.random_routing,
+        "model.moe.random_routing_zipf",
+        "draws synthetic routes: set model.moe.random_routing=true as well, or leave it 0",
+    )
+    _check(moe.random_routing_drift_every >= 0, "model.moe.random_routing_drift_every", "must be >= 0 (0: fixed)")
+    _check(
+        moe.random_routing_drift_every == 0 or moe.random_routing_zipf > 0,
+        "model.moe.random_routing_drift_every",
+        "moves the Zipf popularity ranking: set model.moe.random_routing_zipf > 0 as well, or leave it 0",
     )
 
 

@@ -141,6 +141,11 @@ class MoETransformer(nn.Module):
             for router, state in zip(routers, states):
                 router.set_generator_state(state)
 
+    def set_routing_step(self, step: int) -> None:
+        """Tell every router which optimizer step it routes for (synthetic Zipf routing drifts by it)."""
+        for layer in self.moe_layers():
+            layer.router.routing_step = step
+
     @torch.no_grad()
     def post_batch(self, expert_counts: Tensor) -> None:
         """End-of-batch bookkeeping of every MoE layer this module holds (OLMo-core's ``post_batch``), after an

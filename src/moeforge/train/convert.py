@@ -40,6 +40,8 @@ TRAINING_ONLY_MOE_FIELDS = (
     "capacity_factor",
     "expert_impl",
     "random_routing",
+    "random_routing_zipf",
+    "random_routing_drift_every",
 )
 
 

@@ -42,6 +42,7 @@ from moeforge.train.losses import lm_loss_fn, moe_aux_terms
 from moeforge.train.memory_record import gather_memory, write_memory_json
 from moeforge.train.metrics import MetricsWriter, read_metrics
 from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
+from moeforge.train.rebalance import Rebalancer
 from moeforge.train.run_lock import RunLock, acquire_run_lock
 from moeforge.train.signals import SIGNALS, StopRequest
 from moeforge.train.step_guard import TrainingError, guarded_step, streak_message
@@ -142,6 +143,10 @@ class Trainer:
         self.lowp = apply_low_precision(model, cfg, self.device)  # mxfp8 / fp8_rowwise GEMMs (None otherwise)
         self.stack: TrainingStack = build_stack(model, cfg, self.mesh)
         self.model: MoETransformer = model
+        self.rebalancer: Rebalancer | None = None  # parallel.rebalance_every: experts re-placed over the ep ranks
+        if cfg.parallel.rebalance_every > 0:
+            every = cfg.parallel.rebalance_every
+            self.rebalancer = Rebalancer(model.moe_layers(), self.mesh, every, self.stack.optimizer)
         self.pipeline: PipelineRunner | None = None
         if self.stages is not None:
             self.pipeline = build_pipeline(model, self.stages, cfg, self.mesh, self.device)
@@ -254,6 +259,9 @@ class Trainer:
             model.post_batch(loads[rows, :num_experts].to(self.device))
         n_sources = n_micro * mesh.dp_cp * mesh.tp  # forwards of each layer: micro-batches x dp x cp x tp slices
         balance = per_layer_metrics(loads, num_experts, mesh.ep, n_sources) if len(loads) else {}
+        if self.rebalancer is not None:
+            self.rebalancer.add(loads[:, :num_experts])
+            balance |= self.rebalancer.balance_metrics(loads[:, :num_experts])
         return StepResult(
             loss, lm, aux, z, float(grad_norm), not finite, loads, n_sources, balance, caught[0] if caught else 0
         )
@@ -265,9 +273,12 @@ class Trainer:
         """
         cfg = self.cfg
         self.stack.set_lr(lr_at(self.step, cfg.train.max_steps, cfg.optim))
+        self.model.set_routing_step(self.step)
         with self.gemm_numerics():
             result = self._train_step(micro_batches)
         self.step += 1
+        if self.rebalancer is not None:
+            result.extra["experts_moved"] = self.rebalancer.maybe_move(self.step)
         self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
         self.consecutive_skips = self.consecutive_skips + 1 if result.skipped else 0
         self.skipped_steps += int(result.skipped)
@@ -307,21 +318,31 @@ class Trainer:
     # ------------------------------------------------------------- checkpoints
 
     def trainer_state(self) -> dict[str, Any]:
-        """JSON-able step, counters and loader position (checkpointed as int64 tensors)."""
-        return {
+        """JSON-able step, counters and loader position (checkpointed as int64 tensors), and the expert
+        placement when experts are re-placed."""
+        state: dict[str, Any] = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "consecutive_skips": self.consecutive_skips,
             "skipped_steps": self.skipped_steps,
             "loader": self.loader.state_dict(),
         }
+        if self.rebalancer is not None:
+            state["placement"] = self.rebalancer.state_dict()
+        return state
 
     def save(self) -> Path:
         """Checkpoint the current step (all ranks); the final step's save is waited for even when async."""
         for cb in self.callbacks:
             cb.pre_checkpoint(self)
         self.save_deferred = False
-        self.checkpointer.save(self.step, self.model, self.stack, self.trainer_state())
+        state = self.trainer_state()
+        if self.rebalancer is None:
+            self.checkpointer.save(self.step, self.model, self.stack, state)
+        else:  # weights in logical expert order; the snapshot is taken (fence) before the experts move back
+            with self.rebalancer.logical_order():
+                self.checkpointer.save(self.step, self.model, self.stack, state)
+                self.checkpointer.fence()
         if self.step >= self.cfg.train.max_steps:
             self.checkpointer.wait()
         return checkpoints_dir(self.run_dir) / step_name(self.step)
@@ -337,6 +358,8 @@ class Trainer:
         self.consecutive_skips = int(state["consecutive_skips"])
         self.skipped_steps = int(state["skipped_steps"])
         self.loader.load_state_dict(state["loader"])
+        if self.rebalancer is not None:
+            self.rebalancer.load_state_dict(state["placement"])
         log.info("resumed from %s (step %d)", path, self.step)
         return True
 

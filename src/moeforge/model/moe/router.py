@@ -7,6 +7,10 @@ score, or by its best two's sum as in DeepSeek-V3), optionally renormalises the
 chosen weights, scales them by ``routed_scaling_factor``, and computes the auxiliary load-balancing loss
 ``E * sum_i f_i * P_i`` and the router z-loss ``mean(logsumexp(logits)^2)``.
 
+Synthetic routing (``random_routing``, tests and benchmarks only) draws each token's
+experts from this rank's seeded stream: uniform, or Zipf-skewed over a seeded popularity
+ranking that can change every ``random_routing_drift_every`` steps (:func:`zipf_log_weights`).
+
 Auxiliary-loss-free balancing keeps a per-expert ``expert_bias`` that is added
 to the scores for selection only (DeepSeek-V3's ``e_score_correction_bias``);
 :meth:`TopKRouter.update_bias` moves it after each optimizer step from that
@@ -37,6 +41,18 @@ class RouterOutput:
     tokens_per_expert: Tensor  # (E,) routes per expert (detached, float)
 
 
+def zipf_log_weights(num_experts: int, exponent: float, seed: int, epoch: int = 0) -> Tensor:
+    """Log-probabilities ``(E,)`` of a Zipf popularity: the expert of rank ``r`` (0 hottest) weighs
+    ``1 / (r + 1) ** exponent``. Which expert holds which rank is a permutation seeded by ``seed`` (the
+    layer's) and ``epoch`` (the drift period), the same on every rank, run and layout."""
+    g = torch.Generator().manual_seed(seed * 7919 + epoch * 104_729 + 17)
+    ranking = torch.randperm(num_experts, generator=g)  # ranking[r]: the expert of popularity rank r
+    logw = -exponent * torch.log(torch.arange(1, num_experts + 1, dtype=torch.float32))
+    out = torch.empty(num_experts)
+    out[ranking] = logw - torch.logsumexp(logw, dim=0)
+    return out
+
+
 class TopKRouter(nn.Module):
     """Linear gate + top-k selection + balancing losses."""
 
@@ -51,6 +67,8 @@ class TopKRouter(nn.Module):
         self.base_seed = seed * 1000 + layer_idx
         self.random_seed = self.base_seed
         self._generator: torch.Generator | None = None
+        self.routing_step = 0  # the optimizer step being trained (the trainer sets it): Zipf drift follows it
+        self._zipf_cache: tuple[int, Tensor] | None = None
         # Sums per-token statistics over every part of the batch when its tokens are split over
         # several modules (set by parallel code, e.g. sequence parallelism); None: this forward sees them all.
         self.token_stats_reduce: Callable[[Tensor], Tensor] | None = None
@@ -95,7 +113,19 @@ class TopKRouter(nn.Module):
 
     def _random_indices(self, n: int, device: torch.device) -> Tensor:
         noise = torch.rand(n, self.num_experts, generator=self._random_generator(device), device=device)
-        return torch.topk(noise, self.top_k, dim=-1).indices
+        if self.cfg.random_routing_zipf <= 0:
+            return torch.topk(noise, self.top_k, dim=-1).indices
+        # Gumbel-top-k: k distinct experts, drawn without replacement with probabilities ~ the Zipf weights
+        gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
+        return torch.topk(self._zipf_weights(device) + gumbel, self.top_k, dim=-1).indices
+
+    def _zipf_weights(self, device: torch.device) -> Tensor:
+        drift = self.cfg.random_routing_drift_every
+        epoch = self.routing_step // drift if drift > 0 else 0
+        if self._zipf_cache is None or self._zipf_cache[0] != epoch or self._zipf_cache[1].device != device:
+            w = zipf_log_weights(self.num_experts, self.cfg.random_routing_zipf, self.base_seed, epoch)
+            self._zipf_cache = (epoch, w.to(device))
+        return self._zipf_cache[1]
 
     def forward(self, x: Tensor) -> RouterOutput:
         """Route ``x: (N, D)``."""
@@ -160,10 +190,14 @@ class TopKRouter(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor) -> None:
-        """Auxiliary-loss-free balancing: raise under-loaded experts' bias, lower over-loaded ones'.
+        """Synthetic routing (``random_routing``, tests and benchmarks only) draws each token's
+        experts from this rank's seeded stream: uniform, or Zipf-skewed over a seeded popularity
+        ranking that can change every ``random_routing_drift_every`` steps (:func:`zipf_log_weights`).
 
-        ``counts`` are the routes per expert of the whole optimizer step (the
-        trainer sums them over micro-batches and data-parallel ranks first).
+        Auxiliary-loss-free balancing: raise under-loaded experts' bias, lower over-loaded ones'.
+
+                ``counts`` are the routes per expert of the whole optimizer step (the
+                trainer sums them over micro-batches and data-parallel ranks first).
         """
         if self.cfg.bias_update_rate > 0:
             self.expert_bias += self.cfg.bias_update_rate * torch.sign(counts.mean() - counts)
