@@ -16,6 +16,7 @@ from moeforge.config import ModelConfig, MoEConfig
 from moeforge.interop.hf_deepseek_v3 import config_from_hf_deepseek_v3, config_to_hf_deepseek_v3
 from moeforge.interop.hf_fields import as_dict as _as_dict
 from moeforge.interop.hf_fields import check_common as _check_common
+from moeforge.interop.hf_fields import common_export_fields
 from moeforge.interop.hf_fields import require as _require
 from moeforge.interop.hf_fields import rope_theta as _rope_theta
 from moeforge.interop.hf_fields import unsupported as _unsupported
@@ -194,15 +195,7 @@ def config_to_hf(cfg: ModelConfig, flavor: str) -> dict[str, Any]:
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "initializer_range": cfg.init_std,
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_theta": cfg.rope_theta,  # read by transformers < 5
-        "attention_bias": False,
-        "attention_dropout": 0.0,
+        **common_export_fields(cfg),
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "norm_topk_prob": moe.norm_topk_prob,

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from moeforge.config import MLAConfig, ModelConfig, MoEConfig
 from moeforge.interop.hf_fields import check_common as _check_common
+from moeforge.interop.hf_fields import common_export_fields
 from moeforge.interop.hf_fields import require as _require
 from moeforge.interop.hf_fields import rope_theta as _rope_theta
 from moeforge.interop.hf_fields import unsupported as _unsupported
@@ -156,15 +157,7 @@ def config_to_hf_deepseek_v3(cfg: ModelConfig) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": True,
         "num_nextn_predict_layers": 0,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "initializer_range": cfg.init_std,
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_theta": cfg.rope_theta,  # read by transformers < 5
-        "attention_bias": False,
-        "attention_dropout": 0.0,
+        **common_export_fields(cfg),
         "use_cache": True,
     }
 

@@ -62,3 +62,19 @@ def check_common(d: dict[str, Any]) -> None:
         raise unsupported("clip_qkv", d["clip_qkv"], None)
     if d.get("use_sliding_window"):
         raise unsupported("use_sliding_window", d["use_sliding_window"], False)
+
+
+def common_export_fields(cfg: Any) -> dict[str, Any]:
+    """The ``config.json`` fields every exported flavor writes alike from a ``ModelConfig``: activation, positions,
+    init, norm, tying, plain RoPE, no attention bias or dropout."""
+    return {
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,  # read by transformers < 5
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+    }
