@@ -13,6 +13,7 @@ from moeforge.config import Config, load_config
 from moeforge.parallel.memory import STATE_KEYS, predict_state
 from moeforge.plan.dryrun.collectives import CollectiveLog
 from moeforge.plan.dryrun.command import default_ranks, dry_run, format_dry_run
+from moeforge.plan.planner import make_plan
 from moeforge.testing import run_distributed_test
 from moeforge.train.trainer import Trainer
 
@@ -45,6 +46,7 @@ def test_dry_run_state_equals_the_planner_and_logs_the_step(tmp_path: Path) -> N
 
 # ---------------------------------------------------------------- the dry run against the real gloo run
 
+BF16 = ["--train.precision=bf16", "--train.param_dtype=bf16", "--parallel.bucket_size_mb=0.02"]
 PARITY_LAYOUTS = {
     "ddp_ep2": ["--parallel.ep=2", "--parallel.bucket_size_mb=0.02"],
     "fsdp": ["--parallel.stack=fsdp"],
@@ -90,10 +92,18 @@ def _assert_same_collectives(name: str, real: list[list[dict]], dry: list[list[d
             assert sum(g[key] for g in got) == sum(w[key] for w in want), (name, i, key, got, want)
 
 
-def test_dry_run_equals_the_real_gloo_run(tmp_path: Path) -> None:
-    world = 2
-    run_distributed_test(_real_steps, world, args=(str(tmp_path), PARITY_LAYOUTS))
-    for name, extra in PARITY_LAYOUTS.items():
+#: world 4: a pipeline and a tensor-parallel layout (bf16 parameters: masters and their own gradient dtype)
+PARITY_LAYOUTS_4 = {
+    "pp2_ep2": ["--parallel.pp=2", "--parallel.ep=2", "--train.micro_batch_size=2", *BF16],
+    "tp2_ep2": ["--parallel.tp=2", "--parallel.ep=2", *BF16],
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dry_run_equals_the_real_gloo_run(tmp_path: Path, world: int) -> None:
+    layouts = PARITY_LAYOUTS if world == 2 else PARITY_LAYOUTS_4
+    run_distributed_test(_real_steps, world, args=(str(tmp_path), layouts))
+    for name, extra in layouts.items():
         cfg = _parity_config(tmp_path, name, extra)
         cfg.model.vocab_size = 300  # the tokenizer's, as the trainer sets it
         result = dry_run(cfg, world, list(range(world)), steps=2)
@@ -117,6 +127,53 @@ def test_a_step_of_two_micro_batches_stands_for_the_full_count(tmp_path: Path) -
             assert short[key] == full[key], (extra, key, short[key], full[key])
         assert short["collectives"] == full["collectives"], extra
         assert len({c["op"] for c in full["collectives"]}) >= 2, extra
+
+
+# ---------------------------------------------------------------- the planner against the dry run, every layout
+
+#: the layouts tests/test_composition.py and the layout tests run, at their world sizes
+PLANNED_LAYOUTS = [
+    (4, ["--parallel.pp=2", "--parallel.ep=2"]),
+    (4, ["--parallel.tp=2", "--parallel.ep=2"]),
+    (4, ["--parallel.cp=2", "--parallel.ep=2"]),
+    (4, ["--parallel.pp=2", "--parallel.cp=2"]),
+    (4, ["--parallel.tp=2", "--parallel.cp=2"]),
+    (4, ["--parallel.pp=2", "--parallel.tp=2", "--train.param_dtype=fp32", "--train.precision=fp32"]),
+    (4, ["--parallel.pp=2", "--parallel.stack=fsdp", "--parallel.ep=2"]),
+    (4, ["--parallel.stack=fsdp", "--parallel.ep=2"]),
+    (8, ["--parallel.pp=2", "--parallel.tp=2", "--parallel.ep=2"]),
+    (8, ["--parallel.pp=2", "--parallel.cp=2", "--parallel.ep=2"]),
+]
+
+
+def test_the_planner_equals_the_dry_run_on_every_layout(tmp_path: Path) -> None:
+    for world, extra in PLANNED_LAYOUTS:
+        cfg = tiny_config(tmp_path, "--train.micro_batch_size=2", *BF16, *NO_PAD, *extra)
+        cfg.model.vocab_size = 300
+        predicted = make_plan(cfg, world, "h100")["predicted"]["ranks"]
+        ranks = sorted({0, world - 1, 1 if cfg.parallel.tp > 1 else 0})  # first and last stage, both tp ranks
+        for rep in dry_run(cfg, world, ranks)["ranks"]:
+            for key in STATE_KEYS:
+                assert rep[key] == predicted[rep["rank"]][key], (extra, rep["rank"], key, rep[key])
+    staged = make_plan(tiny_config(tmp_path, *BF16, *NO_PAD, "--model.vocab_size=300", "--parallel.pp=2"), 2)
+    first, last = staged["predicted"]["ranks"]
+    assert first["params_bytes"] != last["params_bytes"]  # the stages differ: embedding first, head last
+
+
+def test_the_last_pipeline_stage_holds_no_logits_of_finished_micro_batches(tmp_path: Path) -> None:
+    """1F1B keeps at most pp micro-batches in flight. What the last stage's peak still grows by per micro-batch is
+    torch's receive buffer of its input (one hidden state each), not the micro-batch's logits, which the schedule
+    kept to the end of the step while it returned them."""
+    peaks = []
+    for batch in (8, 32):
+        extra = [f"--train.global_batch_size={batch}", "--train.micro_batch_size=1", "--parallel.pp=2"]
+        cfg = tiny_config(tmp_path, *NO_PAD, "--model.vocab_size=4096", *extra)
+        (rep,) = dry_run(cfg, 2, [1])["ranks"]
+        assert rep["micro_batches_run"] == batch, rep["micro_batches_run"]
+        peaks.append(rep["peak_bytes"])
+    hidden, logits = 32 * 32 * 4, 32 * 4096 * 4  # one micro-batch: 1 x seq 32 x d_model 32 / vocab 4096, fp32
+    per_micro_batch = (peaks[1] - peaks[0]) / (32 - 8)
+    assert 0 <= per_micro_batch <= hidden + 512 < logits, (peaks, per_micro_batch)
 
 
 # ---------------------------------------------------------------- the presets at the world sizes they name

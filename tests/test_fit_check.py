@@ -217,7 +217,9 @@ def test_the_build_term_is_what_build_model_allocates(tmp_path: Path) -> None:
     model = build_model(cfg.model, device="cpu")
     assert predict_rank_bytes(cfg, 1)["build"] == sum(p.numel() * p.element_size() for p in model.parameters())
     piped = load_config(DEMO, ["--model.vocab_size=4096", "--parallel.pp=2"])
-    assert set(predict_rank_bytes(piped, 2)) == {"build"}  # predict_state counts the whole model under pp
+    whole, staged = predict_rank_bytes(load_config(DEMO, ["--model.vocab_size=4096"]), 2), predict_rank_bytes(piped, 2)
+    assert staged["build"] == whole["build"]  # every rank builds the whole model before it is carved
+    assert 0 < staged["weights"] < whole["weights"]  # but holds only its stage
 
 
 def test_presets_on_gpus() -> None:

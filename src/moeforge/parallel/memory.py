@@ -22,18 +22,15 @@ Keys (bytes on one rank):
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
-from moeforge.config import Config
 from moeforge.model.moe.experts import local_tensor
-from moeforge.model.params import EXPERT, named_parameter_roles
-from moeforge.model.transformer import MoETransformer
-from moeforge.parallel.data_parallel.buckets import bucket_group_kind, bucket_layout, padded_numel, param_segment
 from moeforge.parallel.data_parallel.ddp import DDPStack
-from moeforge.parallel.stack import DTYPES, TrainingStack
+from moeforge.parallel.stack import TrainingStack
+from moeforge.parallel.state_prediction import predict_state
+
+__all__ = ["STATE_KEYS", "SavedTensorMeter", "measure_state", "predict_state"]
 
 STATE_KEYS = ("params_bytes", "grads_bytes", "master_bytes", "optim_bytes")
 
@@ -58,73 +55,6 @@ def measure_state(stack: TrainingStack) -> dict[str, int]:
     for st in stack.optimizer.state.values():
         out["optim_bytes"] += sum(_nbytes(v) for v in st.values() if torch.is_tensor(v))
     return out
-
-
-def _chunk_rows(rows: int, world: int, rank: int) -> int:
-    """Rows of dim 0 that ``torch.chunk(t, world)`` gives ``rank`` (FSDP2's sharding)."""
-    per = math.ceil(rows / world) if rows else 0
-    return max(0, min(per, rows - rank * per))
-
-
-def predict_state(cfg: Config, world: int) -> list[dict[str, int]]:
-    """Every rank's state bytes for ``cfg`` on ``world`` ranks, from parameter shapes alone (a meta model)."""
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model)
-    named_full = [(name, p, role) for name, p, role in named_parameter_roles(model) if p.requires_grad]
-    named = [(p, role) for _, p, role in named_full]
-    fsdp = world > 1 and cfg.parallel.stack == "fsdp"
-    if fsdp:
-        return [_predict_fsdp(named, world, r, cfg.parallel.ep) for r in range(world)]
-    dtype = DTYPES[cfg.train.param_dtype]
-    elt = torch.tensor([], dtype=dtype).element_size()
-    ep = cfg.parallel.ep if world > 1 else 1
-    if world == 1 and cfg.train.param_dtype == "fp32":  # the LocalStack: torch AdamW
-        params = sum(p.numel() for p, _ in named) * elt
-        return [
-            {
-                "params_bytes": params,
-                "grads_bytes": params,
-                "master_bytes": 0,
-                "optim_bytes": 2 * params + 4 * len(named),
-            }
-        ]
-    entries = []
-    for p, role in named:
-        numel = p.numel() // ep if role == EXPERT and ep > 1 else p.numel()
-        entries.append((numel, elt, dtype, bucket_group_kind(role, ep, world, world // ep)))
-    sizes = {"dp": world, "edp": world // ep, None: 1}
-    grad_elt = torch.tensor([], dtype=DTYPES[cfg.parallel.grad_reduce_dtype]).element_size()
-    grads = master = optim = 0
-    segments = [param_segment(name) for name, _, _ in named_full]
-    for members, kind, _ in bucket_layout(entries, cfg.parallel.bucket_size_mb, segments):
-        padded = padded_numel(sum(entries[i][0] for i in members), sizes[kind])
-        shard = padded // sizes[kind]
-        grads += padded * grad_elt
-        optim += 2 * shard * 4
-        master += shard * 4 if dtype != torch.float32 else 0
-    params = sum(e[0] for e in entries) * elt
-    return [{"params_bytes": params, "grads_bytes": grads, "master_bytes": master, "optim_bytes": optim}] * world
-
-
-def _predict_fsdp(named: list[tuple[nn.Parameter, str]], world: int, rank: int, ep: int = 1) -> dict[str, int]:
-    """FSDP2: fp32 shards of dim 0 (they are the masters), fp32 sharded gradients, AdamW state per shard.
-
-    Dense parameters are chunked over all ``world`` data ranks; with ``ep > 1`` each ep rank's experts
-    (``E / ep`` rows, ep innermost in the rank order) are chunked over the ``world / ep`` ranks holding them.
-    """
-    local = 0
-    for p, role in named:
-        rows = p.shape[0] if p.ndim else 1
-        if role == EXPERT and ep > 1:
-            local += _chunk_rows(rows // ep, world // ep, rank // ep) * (p.numel() // max(rows, 1))
-        else:
-            local += _chunk_rows(rows, world, rank) * (p.numel() // max(rows, 1))
-    return {
-        "params_bytes": 4 * local,
-        "grads_bytes": 4 * local,
-        "master_bytes": 0,
-        "optim_bytes": 8 * local + 4 * len(named),
-    }
 
 
 class SavedTensorMeter:

@@ -216,8 +216,8 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
     layouts = [plan_layout(cfg, stats, stack, ep, world, mem_bytes) for stack, ep in valid_layouts(cfg, world)]
     act = activation_bytes(cfg)
     act_key = {"none": "full", "full": "saved_full", "selective": "saved_selective"}[cfg.train.activation_checkpointing]
-    predicted = None  # the config's own layout; not yet per pipeline stage
-    if world % cfg.parallel.ep == 0 and world % cfg.parallel.pp == 0 and cfg.parallel.pp == 1 and tp == 1:
+    predicted = None  # the config's own layout, every rank (pipeline stages and tp shards differ)
+    if world % cfg.parallel.ep == 0 and world % (cfg.parallel.pp * tp * cp) == 0:
         states = predict_state(cfg, world)
         predicted = [{"rank": r, **st, "activation_bytes": int(act[act_key])} for r, st in enumerate(states)]
     return {

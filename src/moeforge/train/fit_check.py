@@ -6,10 +6,10 @@ hold with the memory of the device it runs on:
 
 - the whole model as :func:`~moeforge.model.build_model` allocates it, on every rank and in every layout
   (pipeline stages are carved and tensor-parallel weights sharded only after the build);
-- with ``parallel.pp == 1`` and ``parallel.tp == 1``, the rank's weights, gradient buffers, fp32 masters and
-  optimizer moments from :func:`~moeforge.parallel.memory.predict_state`, the accounting ``moeforge plan``
-  prints under ``"predicted"`` and ``RUN/memory.json`` measures to the byte. Under pp or tp it counts the
-  whole model per rank, so it is left out there rather than over-predict.
+- the busiest rank's weights, gradient buffers, fp32 masters and optimizer moments from
+  :func:`~moeforge.parallel.memory.predict_state` (its pipeline stage, its tensor-parallel shards, its
+  experts), the accounting ``moeforge plan`` prints under ``"predicted"`` and ``RUN/memory.json`` measures
+  to the byte.
 
 Activations are not counted: their estimate (:mod:`moeforge.plan.activations`) sits above the trainer in
 the package layers, and the allocator's reserve, the CUDA context and collective buffers are not known
@@ -104,20 +104,19 @@ def device_memory(device: torch.device, local_ranks: int = 1) -> DeviceMemory:
 
 
 def predict_rank_bytes(cfg: Config, world: int) -> dict[str, int]:
-    """Lower bounds of what the busiest rank holds, in bytes: ``build`` (the whole model as built) and, with
-    pp = tp = 1, ``weights``, ``gradients``, ``masters`` and ``optimizer`` (see the module docstring)."""
+    """Lower bounds of what the busiest rank holds, in bytes: ``build`` (the whole model as built),
+    ``weights``, ``gradients``, ``masters`` and ``optimizer`` (see the module docstring)."""
     with torch.device("meta"):
         model = MoETransformer(cfg.model)
     parts = {"build": sum(p.numel() * p.element_size() for p in model.parameters())}
-    if cfg.parallel.pp == 1 and cfg.parallel.tp == 1:
-        ranks = predict_state(cfg, world)
-        busiest = max(ranks, key=lambda r: sum(r.values()))  # every rank decides alike
-        parts |= {
-            "weights": busiest["params_bytes"],
-            "gradients": busiest["grads_bytes"],
-            "masters": busiest["master_bytes"],
-            "optimizer": busiest["optim_bytes"],
-        }
+    ranks = predict_state(cfg, world)
+    busiest = max(ranks, key=lambda r: sum(r.values()))  # every rank decides alike
+    parts |= {
+        "weights": busiest["params_bytes"],
+        "gradients": busiest["grads_bytes"],
+        "masters": busiest["master_bytes"],
+        "optimizer": busiest["optim_bytes"],
+    }
     return parts
 
 

@@ -222,7 +222,8 @@ class PipelineRunner:
         self.set_grad_scale(1.0 / n_micro)
         losses: list[Tensor] = []
         args, target = self._args(inputs, targets)
-        schedule.step(*args, target=target, losses=losses)
+        # the last stage's logits are not returned: kept, they would hold every micro-batch's logits to the end
+        schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return losses
 
     @torch.no_grad()

@@ -12,6 +12,8 @@ the collectives that enter and leave a tensor-parallel region are explicit
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -110,7 +112,7 @@ class VocabParallelHead(nn.Module):
         full = gather_along(h, self.seq_dim, self.group)
         local = F.linear(full, _local(self.weight))  # type: ignore[arg-type]
         shape = (*local.shape[:-1], self.out_features)
-        stride = tuple(int(torch.tensor(shape[i + 1 :]).prod()) for i in range(len(shape)))
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         return DTensor.from_local(local, self.tp_mesh, [Shard(local.ndim - 1)], shape=shape, stride=stride)
 
 

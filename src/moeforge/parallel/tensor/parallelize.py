@@ -140,33 +140,45 @@ def parallelize_tensor(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
     return model
 
 
-def tensor_parallel_numel(cfg: ModelConfig) -> int:
-    """Parameters :func:`parallelize_tensor` splits over tp (the rest is replicated), from a meta-device build.
+def tensor_parallel_shard_dims(model: MoETransformer) -> dict[int, int]:
+    """``{id(parameter): dim}`` of the parameters :func:`parallelize_tensor` would split over tp (a model or a
+    carved pipeline stage, on any device, meta included); every other parameter stays whole on each tp rank.
 
     Attention projections (and the 'full' QK-norm), dense MLPs, shared experts, the embedding and an
-    untied LM head; norms, routers, shared-expert gates and routed experts stay whole on every tp rank.
+    untied LM head; norms, routers, shared-expert gates and routed experts stay whole.
     """
-    with torch.device("meta"):
-        model = MoETransformer(cfg)
-    seen: set[int] = set()
-    total = 0
+    dims: dict[int, int] = {}
 
-    def add(*modules: nn.Module | None) -> None:
-        nonlocal total
-        for m in modules:
-            for p in m.parameters() if m is not None else ():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    total += p.numel()
+    def linear(m: nn.Module | None, dim: int) -> None:
+        for p in m.parameters() if m is not None else ():
+            dims.setdefault(id(p), dim if p.ndim > 1 else 0)
 
-    add(model.embed_tokens, model.lm_head)
+    def swiglu(mlp: SwiGLU) -> None:
+        linear(mlp.gate_proj, 0)
+        linear(mlp.up_proj, 0)
+        linear(mlp.down_proj, 1)
+
+    linear(model.embed_tokens, 0)
+    linear(model.lm_head, 0)
     for block in model.blocks():
         attn = block.self_attn
-        add(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            linear(proj, 0)
+        linear(attn.o_proj, 1)
         if attn.qk_norm == "full":
-            add(attn.q_norm, attn.k_norm)
+            linear(attn.q_norm, 0)
+            linear(attn.k_norm, 0)
         if isinstance(block.mlp, MoELayer):
-            add(block.mlp.shared_expert)
-        else:
-            add(block.mlp)
-    return total
+            if block.mlp.shared_expert is not None:
+                swiglu(block.mlp.shared_expert)
+        elif isinstance(block.mlp, SwiGLU):
+            swiglu(block.mlp)
+    return dims
+
+
+def tensor_parallel_numel(cfg: ModelConfig) -> int:
+    """Parameters :func:`parallelize_tensor` splits over tp (the rest is replicated), from a meta-device build."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    dims = tensor_parallel_shard_dims(model)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) in dims)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -43,6 +44,7 @@ from moeforge.parallel.mesh import MoEMesh, build_mesh
 from moeforge.plan.dryrun.collectives import Collective, CollectiveLog
 from moeforge.plan.dryrun.live_memory import LiveMemory
 from moeforge.plan.dryrun.micro_batches import DEFAULT_LIMIT, full_step, marking, run_count
+from moeforge.plan.dryrun.pipeline_vote import pipeline_vote_alone
 from moeforge.train.step_guard import all_finite, weights_finite
 from moeforge.train.trainer import Trainer
 
@@ -170,6 +172,13 @@ def dry_run_rank(
         return _run(cfg, rank, steps, device_type, micro_batch_limit)
     finally:
         dist.destroy_process_group()
+        forget_sharding_cache()
+
+
+def forget_sharding_cache() -> None:
+    """Empty DTensor's sharding-propagation cache: its entries hold the meshes of the rank just run, and a mesh of
+    the next rank's equal layout compares equal to them, so a hit would hand back groups that no longer exist."""
+    _clear_sharding_prop_cache()
 
 
 @contextlib.contextmanager
@@ -194,7 +203,13 @@ def _run(cfg: Config, rank: int, steps: int, device_type: str, limit: int) -> Ra
     t0 = time.perf_counter()
     mesh = build_mesh(cfg.parallel, "cpu")  # the fake group's rank tensors live on the host
     log = CollectiveLog()
-    with meshes_on_the_host(), FakeTensorMode(allow_non_fake_inputs=True), LiveMemory() as live, log:
+    with (
+        meshes_on_the_host(),
+        pipeline_vote_alone(),
+        FakeTensorMode(allow_non_fake_inputs=True),
+        LiveMemory() as live,
+        log,
+    ):
         log.enabled = False
         trainer = Trainer.for_dry_run(cfg, mesh, device)
         build_s = time.perf_counter() - t0
