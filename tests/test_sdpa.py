@@ -167,7 +167,7 @@ def test_the_model_computes_attention_in_fp32_when_told() -> None:
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
 
-    def fp32_core(q, k, v, gqa):
+    def fp32_core(q, k, v, gqa, window=0, sinks=None):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa)
         return out.to(q.dtype)
 

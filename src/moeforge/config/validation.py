@@ -63,8 +63,8 @@ def _check_low_precision(cfg: Config) -> None:
 
 
 def check_gpt_oss_features(cfg: Config) -> None:
-    """Sliding windows, attention sinks and gpt-oss's experts: their values, and the layouts they cannot run in."""
-    m, moe, p = cfg.model, cfg.model.moe, cfg.parallel
+    """Sliding windows, attention sinks and gpt-oss's experts: their values, and the precisions they run in."""
+    m, moe = cfg.model, cfg.model.moe
     _check(m.sliding_window >= 0, "model.sliding_window", f"must be >= 0 (0: off), got {m.sliding_window}")
     for i in m.sliding_layers:
         _check(0 <= i < m.n_layers, "model.sliding_layers", f"holds layer {i}, outside 0..{m.n_layers - 1}")
@@ -73,19 +73,6 @@ def check_gpt_oss_features(cfg: Config) -> None:
         "model.sliding_layers",
         f"needs model.sliding_window > 0 and at least one layer together (got window {m.sliding_window}, "
         f"layers {m.sliding_layers}); set both or neither",
-    )
-    masked = m.sliding_window > 0 or m.attn_sinks
-    _check(
-        not masked or p.cp == 1,
-        "parallel.cp",
-        "ring attention has no sliding window or attention sinks yet: use parallel.cp=1 with model.sliding_window "
-        "or model.attn_sinks",
-    )
-    _check(
-        not (m.attn_sinks or m.attn_out_bias) or p.tp == 1,
-        "parallel.tp",
-        "tensor parallelism does not split attention sinks or the output projection's bias yet: use parallel.tp=1 "
-        "with model.attn_sinks or model.attn_out_bias",
     )
     if moe.expert_activation == "clamped_swiglu":
         _check(moe.swiglu_limit > 0, "model.moe.swiglu_limit", f"must be > 0, got {moe.swiglu_limit}")
@@ -346,14 +333,6 @@ def check_mla(cfg: Config) -> None:
         "model.mla.qk_rope_head_dim",
         f"must be even for RoPE, got {mla.qk_rope_head_dim}",
     )
-    p = cfg.parallel
-    for name, value in (("parallel.tp", p.tp), ("parallel.cp", p.cp)):
-        _check(
-            value == 1,
-            name,
-            f"is {value}, but multi-head latent attention is not split over tp or cp ranks yet; "
-            "set it to 1 or use model.attention_type=mha",
-        )
     _check(
         cfg.train.precision in ("fp32", "bf16"),
         "train.precision",
@@ -397,7 +376,7 @@ def check_tp(cfg: Config) -> None:
     if p.tp == 1:
         return
     _check(m.n_heads % p.tp == 0, "parallel.tp", f"must divide model.n_heads ({m.n_heads}), got {p.tp}")
-    kv = m.n_kv_heads or m.n_heads
+    kv = m.n_heads if m.attention_type == "mla" else m.n_kv_heads or m.n_heads  # latent attention: one per head
     _check(kv % p.tp == 0, "parallel.tp", f"must divide the kv heads (model.n_kv_heads = {kv}), got {p.tp}")
     _check(
         m.vocab_size % p.tp == 0,

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from moeforge.config import ModelConfig
 from moeforge.model.layers import RMSNorm
 from moeforge.ops.rope import apply_rope
 from moeforge.ops.sdpa import sdpa
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor, bool], Tensor]
-"""``fn(q, k, v, enable_gqa) -> out``: causal attention of ``q: (B, H, T, hd)`` over ``k, v: (B, Hkv, T, hd)``."""
+
+class AttentionFn(Protocol):
+    """``fn(q, k, v, enable_gqa, window=..., sinks=...) -> out``: causal attention of ``q: (B, H, T, hd)`` over
+    ``k, v: (B, Hkv, T, hd)``, with the layer's sliding window (0: none) and attention sinks ``(H,)`` (or None)."""
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, *, window: int = 0, sinks: Tensor | None = None
+    ) -> Tensor: ...
+
+
+def local_part(t: Tensor | None) -> Tensor | None:
+    """This rank's shard of a parameter that tensor parallelism split (a DTensor), else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -85,8 +97,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        sinks = local_part(self.sinks)  # this rank's heads' sinks under tensor parallelism
         if self.attention_fn is not None and cache is None:
-            out = self.attention_fn(q, k, v, self.n_kv != self.n_heads)
+            out = self.attention_fn(q, k, v, self.n_kv != self.n_heads, window=self.window, sinks=sinks)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
@@ -103,6 +116,6 @@ class Attention(nn.Module):
             upcast=self.upcast,
             eager=self.eager,
             window=self.window,
-            sinks=self.sinks,
+            sinks=sinks,
         )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeforge.config import ModelConfig
-from moeforge.model.attention import KVCache
+from moeforge.model.attention import AttentionFn, KVCache
 from moeforge.model.layers import RMSNorm
 from moeforge.ops.rope import apply_rope
 from moeforge.ops.sdpa import sdpa
@@ -52,7 +52,10 @@ def mla_core(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, upcast: bool, 
 class MLAttention(nn.Module):
     """Causal multi-head latent attention (see the module docstring); ``forward`` as :class:`Attention`'s.
 
-    ``upcast`` and ``eager`` choose the attention core, as on :class:`~moeforge.model.attention.Attention`."""
+    ``upcast`` and ``eager`` choose the attention core, and ``attention_fn``, when a ``parallelize_*`` function
+    sets it (context parallelism), replaces that core without a cache, as on
+    :class:`~moeforge.model.attention.Attention`; it gets the decompressed per-head keys ``(B, H, T, dq)`` and
+    values ``(B, H, T, v_head_dim)``."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -78,6 +81,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.d_model, bias=False)
         self.upcast = cfg.attention_precision == "fp32"
         self.eager = cfg.attention_implementation == "eager"
+        self.attention_fn: AttentionFn | None = None
 
     def _query(self, x: Tensor) -> Tensor:
         if self.q_proj is not None:
@@ -103,5 +107,8 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, H, S, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        out = mla_core(q, k, v, is_causal=causal, upcast=self.upcast, eager=self.eager)
+        if self.attention_fn is not None and cache is None:
+            out = self.attention_fn(q, k, v, False)
+        else:
+            out = mla_core(q, k, v, is_causal=causal, upcast=self.upcast, eager=self.eager)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.v_dim))

@@ -56,7 +56,7 @@ from moeforge.parallel.memory import predict_state
 from moeforge.parallel.tensor.parallelize import tensor_parallel_numel
 from moeforge.plan.activations import _route_factor, activation_bytes
 from moeforge.plan.devices import DEVICES, GB, get_device
-from moeforge.plan.flops import flops_per_token, param_counts
+from moeforge.plan.flops import attention_head_widths, flops_per_token, param_counts
 from moeforge.plan.hardware import Hardware, get_hardware, parse_overlap
 from moeforge.plan.pipeline import pipeline_plan
 from moeforge.plan.tensor import tp_collectives_per_micro_batch
@@ -119,7 +119,9 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_to_all": 0.0, "tp": 0.0, "context": 0.0}
     a = 4 if cfg.train.precision == "fp32" else 2  # bf16 activations (mxfp8 too)
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
-    kv_local = tokens * 2 * cfg.model.kv_heads * cfg.model.dim_head  # elements of this rank's K and V
+    qk, v_width = attention_head_widths(cfg.model)
+    kv_heads = cfg.model.n_heads if cfg.model.attention_type == "mla" else cfg.model.kv_heads  # mla: decompressed
+    kv_local = tokens * kv_heads * (qk + v_width)  # elements of this rank's K and V
     # ring attention: K/V go round forward and backward, their fp32 gradient sums round in backward
     comm["context"] = ga * cfg.model.n_layers * (cp - 1) * kv_local * (2 * a + 4)
     moe = cfg.model.moe

@@ -5,10 +5,13 @@ hooks the model offers (the model itself knows nothing of ranks):
 
 * ``MoETransformer.positions_fn``: RoPE uses each token's global position
   (:func:`moeforge.parallel.context.chunks.chunk_positions`, the load-balanced layout).
-* ``Attention.attention_fn``: ring attention (:mod:`moeforge.parallel.context.ring`). Keys and values
-  travel around the cp group while each rank computes only the score blocks of its chunks that the causal
-  mask leaves, merged with an online softmax; the backward sends them round again with their gradient
-  sums. Every rank computes ``1/cp`` of the causal attention and holds only its own tokens' K/V. torch's
+* ``attention_fn`` of every :class:`Attention` and :class:`MLAttention`: ring attention
+  (:mod:`moeforge.parallel.context.ring`). Keys and values travel around the cp group while each rank
+  computes only the score blocks of its chunks that the causal mask (and a layer's sliding window, on global
+  positions) leaves, merged with an online softmax, a layer's attention sinks joining each row's denominator
+  once after the merge; the backward sends them round again with their gradient sums. Every rank computes
+  ``1/cp`` of the causal attention and holds only its own tokens' K/V. Latent attention sends its
+  decompressed per-head keys and values (see docs/context_parallel.md for why not the latent). torch's
   ``torch.distributed.tensor.experimental.context_parallel`` is not used: it patches the SDPA kernels of
   CUDA backends and needs a sequence-sharded DTensor buffer layout; see docs/context_parallel.md.
 * ``TopKRouter.reduce_counts``: the aux loss's route fractions are summed
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moeforge.model.attention import Attention, AttentionFn
+from moeforge.model.mla import MLAttention
 from moeforge.model.transformer import MoETransformer
 from moeforge.parallel.context.chunks import chunk_positions
 from moeforge.parallel.context.ring import ring_attention
@@ -38,9 +42,11 @@ from moeforge.parallel.mesh import MoEMesh
 def context_parallel_attention(group: dist.ProcessGroup, cp: int, cp_rank: int) -> AttentionFn:
     """The attention core of one cp rank: ring attention of its chunks over the cp group, causal by position."""
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> Tensor:
+    def attend(
+        q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, *, window: int = 0, sinks: Tensor | None = None
+    ) -> Tensor:
         # both block kernels take fewer kv heads than query heads as they are, so enable_gqa needs no action
-        return ring_attention(q, k, v, group, cp, cp_rank)
+        return ring_attention(q, k, v, group, cp, cp_rank, window=window, sinks=sinks)
 
     return attend
 
@@ -67,7 +73,7 @@ def parallelize_context(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
     model.positions_fn = positions
     attend = context_parallel_attention(group, cp, cp_rank)
     for m in model.modules():
-        if isinstance(m, Attention):
+        if isinstance(m, (Attention, MLAttention)):
             m.attention_fn = attend
     for layer in model.moe_layers():
         layer.router.reduce_counts = reduce_counts
@@ -77,7 +83,7 @@ def parallelize_context(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
 @contextlib.contextmanager
 def without_context_parallel(model: MoETransformer) -> Iterator[MoETransformer]:
     """The model on whole sequences for a while (generation: every rank feeds the same tokens)."""
-    attn = [m for m in model.modules() if isinstance(m, Attention)]
+    attn = [m for m in model.modules() if isinstance(m, (Attention, MLAttention))]
     saved = (model.positions_fn, [m.attention_fn for m in attn], [x.router.reduce_counts for x in model.moe_layers()])
     model.positions_fn = None
     for m in attn:

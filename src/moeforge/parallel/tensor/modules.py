@@ -51,14 +51,17 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``nn.Linear`` (no bias) with input features split over tp: this rank's features in, a partial sum out."""
+    """``nn.Linear`` with input features split over tp: this rank's features in, a partial sum out.
+
+    A bias stays whole on every rank (replicated, like the norms) and is not added here: the partial sums are
+    reduced outside the layer (the tensor-parallel region's exit), which adds it once after the reduction, as
+    Megatron's ``skip_bias_add`` leaves it to the caller."""
 
     def __init__(self, linear: nn.Linear, tp_mesh: DeviceMesh) -> None:
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("RowParallelLinear: a row-parallel layer with a bias is not supported")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = shard_parameter(linear.weight, tp_mesh, 1)
+        self.bias = linear.bias
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, _local(self.weight))  # type: ignore[arg-type]

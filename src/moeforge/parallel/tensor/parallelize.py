@@ -9,8 +9,17 @@ that, over the ``tp`` ranks of ``mesh.tp_group``:
   ``n_heads / tp`` query heads and ``kv_heads / tp`` key/value heads, so GQA
   groups stay on one rank), the output projection row-parallel. The block's
   input is all-gathered along the sequence on the way in and the partial
-  outputs reduce-scattered back on the way out. Per-head QK-norm weights are
-  replicated; the 'full' QK-norm becomes a :class:`ShardedRMSNorm`;
+  outputs reduce-scattered back on the way out; the output projection's bias
+  (gpt-oss) is added once, after that reduction. Per-head QK-norm weights are
+  replicated; the 'full' QK-norm becomes a :class:`ShardedRMSNorm`; attention
+  sinks (one logit per query head) are split with their heads;
+- latent attention (:class:`MLAttention`) is split by heads too: the query's
+  up-projection (``q_b_proj``, or ``q_proj`` without query compression) and
+  ``kv_b_proj`` column-parallel, ``o_proj`` row-parallel. The down-projections
+  (``q_a_proj``, ``kv_a_proj_with_mqa``, with the shared RoPE key part) and
+  their norms are replicated: every rank computes them on the gathered
+  sequence and back-propagates through its own heads only, so their gradients
+  are partial sums, summed over the tp ranks with the other replicated ones;
 - dense MLPs and shared experts are column-parallel (gate, up) then
   row-parallel (down), with the same gather / reduce-scatter around them;
 - the embedding and the LM head are vocab-parallel; the head returns
@@ -41,6 +50,7 @@ from moeforge.config import ModelConfig
 from moeforge.config.validation import ConfigError
 from moeforge.model.attention import Attention
 from moeforge.model.layers import SwiGLU
+from moeforge.model.mla import MLAttention
 from moeforge.model.moe.layer import MoELayer
 from moeforge.model.transformer import MoETransformer
 from moeforge.parallel.mesh import MoEMesh
@@ -51,19 +61,23 @@ from moeforge.parallel.tensor.modules import (
     ShardedRMSNorm,
     VocabParallelEmbedding,
     VocabParallelHead,
+    shard_parameter,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def _region(module: nn.Module, dim: int, group: dist.ProcessGroup) -> None:
-    """Gather the first input along ``dim`` before ``module`` runs; reduce-scatter its output after."""
+def _region(module: nn.Module, dim: int, group: dist.ProcessGroup, last: RowParallelLinear | None = None) -> None:
+    """Gather the first input along ``dim`` before ``module`` runs; reduce-scatter its output after, then add the
+    bias of ``last`` (the row-parallel layer that made the partial sums), once."""
 
     def enter(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return (gather_along(args[0], dim, group), *args[1:])
 
     def leave(_: nn.Module, __: tuple[Any, ...], out: Tensor) -> Tensor:
-        return reduce_scatter_along(out, dim, group)
+        out = reduce_scatter_along(out, dim, group)
+        bias = last.bias if last is not None else None
+        return out if bias is None else out + bias.to(out.dtype)
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave)
@@ -87,17 +101,30 @@ def _parallelize_attention(attn: Attention, mesh: MoEMesh) -> None:
     if attn.qk_norm == "full":
         attn.q_norm = ShardedRMSNorm(attn.q_norm, tp_mesh)  # type: ignore[arg-type]
         attn.k_norm = ShardedRMSNorm(attn.k_norm, tp_mesh)  # type: ignore[arg-type]
-    _region(attn, 1, mesh.tp_group)  # type: ignore[arg-type]
+    if attn.sinks is not None:
+        attn.sinks = shard_parameter(attn.sinks, tp_mesh, 0)  # type: ignore[arg-type]
+    _region(attn, 1, mesh.tp_group, attn.o_proj)  # type: ignore[arg-type]
+
+
+def _parallelize_mla(attn: MLAttention, mesh: MoEMesh) -> None:
+    tp_mesh = mesh.tp_mesh
+    if attn.q_proj is not None:
+        attn.q_proj = ColumnParallelLinear(attn.q_proj, tp_mesh)  # type: ignore[assignment,arg-type]
+    else:
+        attn.q_b_proj = ColumnParallelLinear(attn.q_b_proj, tp_mesh)  # type: ignore[assignment,arg-type]
+    attn.kv_b_proj = ColumnParallelLinear(attn.kv_b_proj, tp_mesh)  # type: ignore[assignment,arg-type]
+    attn.o_proj = RowParallelLinear(attn.o_proj, tp_mesh)  # type: ignore[assignment,arg-type]
+    attn.n_heads //= mesh.tp
+    _region(attn, 1, mesh.tp_group, attn.o_proj)  # type: ignore[arg-type]
 
 
 def check_tensor_parallel(model: MoETransformer, tp: int) -> None:
-    """ConfigError unless ``tp`` divides the heads, the kv heads and the vocabulary."""
+    """ConfigError unless ``tp`` divides the heads, the kv heads (grouped-query attention) and the vocabulary."""
     cfg = model.cfg
-    for what, n in (
-        ("model.n_heads", cfg.n_heads),
-        ("the kv heads", cfg.kv_heads),
-        ("model.vocab_size", cfg.vocab_size),
-    ):
+    counts = [("model.n_heads", cfg.n_heads), ("model.vocab_size", cfg.vocab_size)]
+    if cfg.attention_type != "mla":  # latent attention has as many key/value heads as query heads
+        counts.insert(1, ("the kv heads", cfg.kv_heads))
+    for what, n in counts:
         if n % tp:
             raise ConfigError(f"parallel.tp: must divide {what} ({n}), got {tp}")
 
@@ -124,7 +151,10 @@ def parallelize_tensor(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
         shared = model.embed_tokens.weight if tied else None  # type: ignore[union-attr]
         model.lm_head = VocabParallelHead(head, mesh.tp_mesh, weight=shared)  # type: ignore[assignment]
     for block in model.blocks():
-        _parallelize_attention(block.self_attn, mesh)
+        if isinstance(block.self_attn, MLAttention):
+            _parallelize_mla(block.self_attn, mesh)
+        else:
+            _parallelize_attention(block.self_attn, mesh)
         if isinstance(block.mlp, MoELayer):
             block.mlp.router.token_stats_reduce = functools.partial(sum_forward_only, group=mesh.tp_group)
             if block.mlp.shared_expert is not None:
@@ -144,8 +174,10 @@ def tensor_parallel_shard_dims(model: MoETransformer) -> dict[int, int]:
     """``{id(parameter): dim}`` of the parameters :func:`parallelize_tensor` would split over tp (a model or a
     carved pipeline stage, on any device, meta included); every other parameter stays whole on each tp rank.
 
-    Attention projections (and the 'full' QK-norm), dense MLPs, shared experts, the embedding and an
-    untied LM head; norms, routers, shared-expert gates and routed experts stay whole.
+    Attention projections (and the 'full' QK-norm, attention sinks), latent attention's up- and output
+    projections, dense MLPs, shared experts, the embedding and an untied LM head; norms, routers, shared-expert
+    gates, routed experts, latent attention's down-projections and the output projections' biases stay whole on
+    every tp rank.
     """
     dims: dict[int, int] = {}
 
@@ -162,12 +194,18 @@ def tensor_parallel_shard_dims(model: MoETransformer) -> dict[int, int]:
     linear(model.lm_head, 0)
     for block in model.blocks():
         attn = block.self_attn
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            linear(proj, 0)
-        linear(attn.o_proj, 1)
-        if attn.qk_norm == "full":
-            linear(attn.q_norm, 0)
-            linear(attn.k_norm, 0)
+        dims[id(attn.o_proj.weight)] = 1  # row-parallel; its bias, where it has one, is replicated
+        if isinstance(attn, MLAttention):
+            for proj in (attn.q_proj, attn.q_b_proj, attn.kv_b_proj):
+                linear(proj, 0)
+        else:
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                linear(proj, 0)
+            if attn.qk_norm == "full":
+                linear(attn.q_norm, 0)
+                linear(attn.k_norm, 0)
+            if attn.sinks is not None:
+                dims[id(attn.sinks)] = 0
         if isinstance(block.mlp, MoELayer):
             if block.mlp.shared_expert is not None:
                 swiglu(block.mlp.shared_expert)
