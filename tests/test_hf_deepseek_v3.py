@@ -3,6 +3,8 @@ selection bias and routed scaling, shared experts, dense first layers.
 
 As in test_hf_parity.py: tiny random transformers models built offline are the oracle; logits must agree in
 fp32. Export then import gives identical tensors, and transformers reproduces the exported model's logits.
+Multi-token-prediction modules travel as DeepSeek-V3's checkpoints hold them (layers past the model's), which
+transformers ignores; the round trip keeps their weights and their loss.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 from moeforge.interop import config_from_hf, config_to_hf, from_hf, to_hf
 from moeforge.model import build_model
 
+from .helpers import CapturedWarnings
 from .test_hf_parity import VOCAB, _assert_same_logits, _perturb_norms
 
 
@@ -120,6 +123,68 @@ def test_deepseek_v3_mtp_layers_are_skipped(tmp_path):
     tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)  # an MTP module stored after the 3 layers
     save_file(tensors, str(tmp_path / "model.safetensors"), {"format": "pt"})
     _assert_same_logits(hf, from_hf(tmp_path))
+
+
+def _with_mtp(tmp_path, depth: int = 2) -> torch.nn.Module:
+    """A DeepSeek-V3 model of ``_deepseek``'s shape with ``depth`` MTP modules, its norms and biases random."""
+    _deepseek(seed=4).save_pretrained(tmp_path / "plain")
+    cfg = replace(from_hf(tmp_path / "plain").cfg, mtp_depth=depth)
+    model = build_model(cfg, seed=5)
+    _perturb_norms(model, seed=6)
+    with torch.no_grad():
+        for layer in model.moe_layers():
+            layer.router.expert_bias.normal_(0.0, 0.3)
+    return model
+
+
+def _mtp_loss(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
+    model.train()(ids[:, :-1], mtp_labels=ids[:, 1:])
+    return model.last_mtp_loss.detach()
+
+
+def test_deepseek_v3_mtp_round_trip(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ours = _with_mtp(tmp_path)
+    out = to_hf(ours, tmp_path / "out", "deepseek_v3")
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 2
+    tensors = load_file(str(out / "model.safetensors"))
+    for layer in (3, 4):  # DeepSeek-V3's names: the MTP modules follow the 3 layers
+        p = f"model.layers.{layer}."
+        assert torch.equal(tensors[p + "embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+        assert torch.equal(tensors[p + "shared_head.head.weight"], tensors["lm_head.weight"])
+        assert torch.equal(tensors[p + "shared_head.norm.weight"], tensors["model.norm.weight"])
+        for name in ("enorm.weight", "hnorm.weight", "input_layernorm.weight", "mlp.gate.e_score_correction_bias"):
+            assert p + name in tensors, name
+        for name in ("mlp.shared_experts.down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"):
+            assert p + name in tensors, name
+    mod = ours.mtp[0]  # DeepSeek's eh_proj takes [enorm(embedding); hnorm(h)]
+    h, e = torch.randn(3, 64), torch.randn(3, 64)
+    with torch.no_grad():
+        want = mod.eh_proj(torch.cat([mod.hnorm(h), mod.enorm(e)], -1))
+        got = torch.cat([mod.enorm(e), mod.hnorm(h)], -1) @ tensors["model.layers.3.eh_proj.weight"].T
+    torch.testing.assert_close(got, want)
+    again = from_hf(out)
+    assert again.cfg == ours.cfg and again.cfg.mtp_depth == 2
+    theirs, mine = ours.state_dict(), again.state_dict()
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in theirs)
+    torch.testing.assert_close(_mtp_loss(again), _mtp_loss(ours), atol=0, rtol=0)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()  # it ignores the MTP layers
+    _assert_same_logits(reloaded, ours, seed=1)
+
+
+def test_deepseek_v3_mtp_layers_with_own_shared_parts_are_skipped(tmp_path):
+    from safetensors.torch import save_file
+
+    out = to_hf(_with_mtp(tmp_path, depth=1), tmp_path / "out", "deepseek_v3")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["model.layers.3.shared_head.norm.weight"] = tensors["model.layers.3.shared_head.norm.weight"] * 1.5
+    save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
+    with CapturedWarnings("moeforge.interop.hf_deepseek_v3") as log:
+        model = from_hf(out)
+    assert model.cfg.mtp_depth == 0 and model.mtp is None
+    assert any("shared_head.norm.weight differs" in m for m in log.messages), log.messages
 
 
 def _config_dict() -> dict:

@@ -68,8 +68,7 @@ def test_mtp_changes_nothing_where_it_does_not_run():
         (["--model.mtp_depth=-1"], "model.mtp_depth"),
         (["--model.mtp_depth=1", "--model.mtp_loss_weight=-0.1"], "model.mtp_loss_weight"),
         (["--model.mtp_depth=4", "--data.seq_len=4"], "model.mtp_depth"),
-        (["--model.mtp_depth=1", "--parallel.pp=2"], "parallel.pp"),
-        (["--model.mtp_depth=1", "--parallel.cp=2"], "parallel.cp"),
+        (["--model.mtp_depth=12", "--data.seq_len=16", "--parallel.cp=2"], "model.mtp_depth"),
     ],
 )
 def test_mtp_config_errors_name_the_field(overrides, field):

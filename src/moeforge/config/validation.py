@@ -309,13 +309,14 @@ def check_mtp(cfg: Config) -> None:
         "model.mtp_depth",
         f"depth {m.mtp_depth} leaves no position to predict in data.seq_len={cfg.data.seq_len}",
     )
-    for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
-        _check(
-            value == 1,
-            name,
-            f"is {value}, but multi-token prediction runs on one stage over whole sequences yet; "
-            "set it to 1 or model.mtp_depth=0",
-        )
+    # cp rank cp - 1 holds the latest early chunk, from position (cp - 1) * chunk: it needs one target there
+    chunk = cfg.data.seq_len // (2 * max(p.cp, 1))
+    _check(
+        p.cp <= 1 or m.mtp_depth < (p.cp + 1) * chunk,
+        "model.mtp_depth",
+        f"depth {m.mtp_depth} leaves cp rank {p.cp - 1} no position to predict in chunks of {chunk} tokens; "
+        "lower it or parallel.cp",
+    )
 
 
 def check_mla(cfg: Config) -> None:

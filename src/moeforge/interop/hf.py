@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +34,12 @@ from torch import Tensor
 
 from moeforge.config import ModelConfig
 from moeforge.interop.hf_config import config_from_hf, config_to_hf
-from moeforge.interop.hf_deepseek_v3 import deepseek_v3_tensors_from_hf, deepseek_v3_tensors_to_hf
+from moeforge.interop.hf_deepseek_v3 import (
+    deepseek_v3_mtp_as_layers,
+    deepseek_v3_mtp_state,
+    deepseek_v3_tensors_from_hf,
+    deepseek_v3_tensors_to_hf,
+)
 from moeforge.interop.hf_gpt_oss import (
     MODEL_TYPE as GPT_OSS,
 )
@@ -143,8 +149,11 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransfor
     else:
         cfg = config_from_hf(config)
         if config.get("model_type") == "deepseek_v3":
-            tensors = deepseek_v3_tensors_from_hf(tensors, config, cfg)
+            tensors, depth = deepseek_v3_tensors_from_hf(tensors, config, cfg)
+            cfg = replace(cfg, mtp_depth=depth)  # the multi-token-prediction layers the checkpoint holds
         state = hf_to_moeforge_state_dict(tensors, cfg)
+        if cfg.mtp_depth:
+            state = deepseek_v3_mtp_state(state, cfg)
     model = MoETransformer(cfg).to(dtype)
     load_state_checked(model, state, f"from_hf: checkpoint {path}")
     model.eval()
@@ -196,7 +205,9 @@ def to_hf(model: MoETransformer, out_dir: str | Path, flavor: str, writer: bool 
     hf_config = config_to_gpt_oss(cfg) if flavor == GPT_OSS else config_to_hf(cfg, flavor)
     state = full_state_dict(model)
     mtp = [k for k in state if k.startswith("mtp.")]
-    if mtp:  # the Hugging Face models run without them; their logits are the main model's alone
+    if mtp and flavor == "deepseek_v3":  # stored as layers past the model's, as DeepSeek-V3's checkpoints hold them
+        state = deepseek_v3_mtp_as_layers(state, cfg)
+    elif mtp:  # the Hugging Face models run without them; their logits are the main model's alone
         logger.warning("to_hf: the %d multi-token-prediction tensors (model.mtp_depth) are not exported", len(mtp))
         state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     if flavor != "deepseek_v3":

@@ -11,8 +11,16 @@ rotated rows of the query projection and of ``kv_a_proj_with_mqa`` evens first, 
 the other exactly (transformers computes the interleaved rotation in that order too), so import permutes those
 rows and export puts them back and writes ``rope_interleave: true``.
 
-Not carried: the multi-token-prediction layers (``num_nextn_predict_layers``; their tensors, stored as layers
-past ``num_hidden_layers``, are skipped on import and none are exported) and scaled RoPE (YaRN), which raises.
+Multi-token prediction (``model.mtp_depth``, ``num_nextn_predict_layers``): DeepSeek-V3's checkpoints store MTP
+module ``k`` as layer ``num_hidden_layers + k``: its block under the usual layer names, ``enorm``, ``hnorm``,
+``eh_proj``, and copies of the shared parts (``embed_tokens``, ``shared_head.head``, ``shared_head.norm``: the
+model's embedding, LM head and final norm, which moeforge's MTP modules use themselves). ``eh_proj`` takes
+``[enorm(embedding); hnorm(h)]`` there and ``[hnorm(h); enorm(embedding)]`` in moeforge, so its two column halves
+trade places both ways. Import takes the MTP layers when every one is there and its shared copies equal the
+model's parts (else it logs why and leaves them out, ``mtp_depth`` 0); transformers' ``DeepseekV3ForCausalLM``
+ignores those tensors.
+
+Not carried: scaled RoPE (YaRN), which raises.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ from moeforge.interop.hf_fields import unsupported as _unsupported
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+#: an MTP layer's own tensors besides its block, and its copies of the model's shared parts (unprefixed names)
+_MTP_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
+_MTP_SHARED = {"embed_tokens.weight": "embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+_MTP_SHARED["shared_head.norm.weight"] = "norm.weight"
 
 
 def config_from_hf_deepseek_v3(d: dict[str, Any]) -> ModelConfig:
@@ -156,7 +168,7 @@ def config_to_hf_deepseek_v3(cfg: ModelConfig) -> dict[str, Any]:
         "qk_rope_head_dim": mla.qk_rope_head_dim,
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": True,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_depth,
         **common_export_fields(cfg),
         "use_cache": True,
     }
@@ -188,18 +200,58 @@ def _rename_in(key: str) -> str:
     )
 
 
-def deepseek_v3_tensors_from_hf(tensors: dict[str, Tensor], hf_config: dict[str, Any], cfg: ModelConfig) -> dict:
-    """A DeepSeek-V3 checkpoint's tensors with the DeepSeek-only parts in moeforge's terms (shared expert,
-    selection bias, half-split RoPE rows), the MTP layers dropped; the rest is :mod:`moeforge.interop.hf`'s."""
+def _swap_halves(w: Tensor) -> Tensor:
+    """``eh_proj``'s weight with its two column halves traded (DeepSeek's input order <-> moeforge's)."""
+    d = w.shape[1] // 2
+    return torch.cat([w[:, d:], w[:, :d]], dim=1)
+
+
+def _mtp_problem(tensors: dict[str, Tensor], hf_config: dict[str, Any], n_layers: int, layers: list[int]) -> str:
+    """Why the MTP ``layers`` of a checkpoint cannot be imported as moeforge's, or ``''``."""
+    declared = int(hf_config.get("num_nextn_predict_layers") or 0)
+    if layers != list(range(n_layers, n_layers + len(layers))) or len(layers) > declared:
+        return f"layers {layers} are not the num_nextn_predict_layers={declared} after the model's {n_layers}"
+    plain = {k.removeprefix("model."): t for k, t in tensors.items()}
+    if "lm_head.weight" not in plain:  # tied embeddings
+        plain["lm_head.weight"] = plain.get("embed_tokens.weight")  # type: ignore[assignment]
+    for layer in layers:
+        prefix = f"layers.{layer}."
+        missing = [n for n in (*_MTP_OWN, *_MTP_SHARED, "input_layernorm.weight") if prefix + n not in plain]
+        if missing:
+            return f"layer {layer} lacks {', '.join(missing)}"
+        for name, main in _MTP_SHARED.items():
+            if plain.get(main) is None or not torch.equal(plain[prefix + name], plain[main]):
+                return f"layer {layer}'s {name} differs from the model's {main} (moeforge's MTP modules share it)"
+    return ""
+
+
+def deepseek_v3_tensors_from_hf(
+    tensors: dict[str, Tensor], hf_config: dict[str, Any], cfg: ModelConfig
+) -> tuple[dict[str, Tensor], int]:
+    """``(tensors, MTP depth)``: a DeepSeek-V3 checkpoint's tensors with the DeepSeek-only parts in moeforge's
+    terms (shared expert, selection bias, half-split RoPE rows, ``eh_proj``'s halves) and the MTP layers it can
+    import, still as layers ``n_layers + k`` (:func:`deepseek_v3_mtp_state` names them after
+    :mod:`moeforge.interop.hf`'s renaming), their copies of shared parts dropped; the other MTP layers are skipped."""
     interleaved = bool(hf_config.get("rope_interleave", True))
     rope_rows = _rope_rows(cfg)
+    offered = sorted({int(m[1]) for k in tensors if (m := _LAYER.match(k)) and int(m[1]) >= cfg.n_layers})
+    problem = _mtp_problem(tensors, hf_config, cfg.n_layers, offered) if offered else ""
+    if problem:
+        logger.warning("from_hf: multi-token-prediction layers not imported: %s", problem)
+    depth = 0 if problem else len(offered)
     out: dict[str, Tensor] = {}
     skipped = 0
     for key, t in tensors.items():
         m = _LAYER.match(key)
-        if m and int(m[1]) >= cfg.n_layers:  # multi-token-prediction layers follow the model's
+        if m and int(m[1]) >= cfg.n_layers + depth:
             skipped += 1
             continue
+        if m and int(m[1]) >= cfg.n_layers:  # an MTP layer
+            rest = key[m.end() :]
+            if rest in _MTP_SHARED:
+                continue  # equal to the model's part, which moeforge's MTP modules use
+            if rest == "eh_proj.weight":
+                t = _swap_halves(t)
         key = _rename_in(key)
         name = key.rsplit(".self_attn.", 1)[-1] if ".self_attn." in key else ""
         if interleaved and name in rope_rows:
@@ -207,15 +259,42 @@ def deepseek_v3_tensors_from_hf(tensors: dict[str, Tensor], hf_config: dict[str,
         out[key] = t
     if skipped:
         logger.info("from_hf: skipped %d tensors of multi-token-prediction layers (not imported)", skipped)
+    return out, depth
+
+
+def deepseek_v3_mtp_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """An imported state dict with layers ``n_layers + k`` named as moeforge's MTP module ``k``."""
+    out: dict[str, Tensor] = {}
+    for key, t in state.items():
+        m = _LAYER.match(key)
+        if m and int(m[1]) >= cfg.n_layers:
+            k, rest = int(m[1]) - cfg.n_layers, key[m.end() :]
+            key = f"mtp.{k}.{rest}" if rest in _MTP_OWN else f"mtp.{k}.block.{rest}"
+        out[key] = t
+    return out
+
+
+def deepseek_v3_mtp_as_layers(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """The inverse of :func:`deepseek_v3_mtp_state`: MTP module ``k``'s tensors as layer ``n_layers + k``'s."""
+    mtp = re.compile(r"^mtp\.(\d+)\.(?:block\.)?")
+    out: dict[str, Tensor] = {}
+    for key, t in state.items():
+        m = mtp.match(key)
+        out[f"layers.{cfg.n_layers + int(m[1])}.{key[m.end() :]}" if m else key] = t
     return out
 
 
 def deepseek_v3_tensors_to_hf(tensors: dict[str, Tensor], state: dict[str, Tensor], cfg: ModelConfig) -> dict:
     """:func:`~moeforge.interop.hf.moeforge_to_hf_state_dict`'s tensors in DeepSeek-V3's layout: shared
-    experts, the selection bias from ``state`` and interleaved RoPE rows."""
+    experts, the selection bias from ``state``, interleaved RoPE rows, and the MTP layers (``state`` and
+    ``tensors`` with them as layers past the model's, :func:`deepseek_v3_mtp_as_layers`) with their halves of
+    ``eh_proj`` traded and copies of the shared parts."""
     rope_rows = _rope_rows(cfg)
     out: dict[str, Tensor] = {}
     for key, t in tensors.items():
+        m = _LAYER.match(key)
+        if m and int(m[1]) >= cfg.n_layers and key.endswith(".eh_proj.weight"):
+            t = _swap_halves(t)
         key = key.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
         name = key.rsplit(".self_attn.", 1)[-1] if ".self_attn." in key else ""
         if name in rope_rows:
@@ -226,4 +305,10 @@ def deepseek_v3_tensors_to_hf(tensors: dict[str, Tensor], state: dict[str, Tenso
             out["model." + key.replace(".mlp.router.expert_bias", ".mlp.gate.e_score_correction_bias")] = (
                 t.detach().float().contiguous().clone()
             )
+    head = "lm_head.weight" if "lm_head.weight" in out else "model.embed_tokens.weight"
+    shared = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": head}
+    shared["shared_head.norm.weight"] = "model.norm.weight"
+    for layer in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
+        for name, main in shared.items():
+            out[f"model.layers.{layer}.{name}"] = out[main].clone()  # stored apart: safetensors holds no aliases
     return out

@@ -14,7 +14,7 @@ from moeforge.model.attention import Attention, KVCache
 from moeforge.model.layers import RMSNorm, SwiGLU, rope_tables
 from moeforge.model.mla import MLAttention
 from moeforge.model.moe.layer import MoELayer
-from moeforge.model.mtp import MTPModule, mtp_loss
+from moeforge.model.mtp import MTPModule, join_stream, mtp_loss, split_stream
 from moeforge.ops.cross_entropy import linear_cross_entropy
 
 
@@ -33,8 +33,13 @@ class Block(nn.Module):
             MoELayer(cfg.d_model, cfg.moe, layer_idx, seed) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_hidden)
         )
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, token_mask: Tensor | None = None
+    ) -> Tensor:
+        """``token_mask`` ``(B * T,)``: the positions an MoE router counts in its statistics (None: all)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        if token_mask is not None and self.is_moe:
+            return x + self.mlp(self.post_attention_layernorm(x), token_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -61,6 +66,14 @@ class MoETransformer(nn.Module):
         # ``fn(T, device) -> (T,)`` global positions of the T tokens fed without a cache; None: 0..T-1.
         # A ``parallelize_*`` function sets it when the input is a part of each sequence (context parallelism).
         self.positions_fn: Callable[[int, torch.device], Tensor] | None = None
+        # Hooks of layouts that split sequences, read by multi-token prediction (moeforge.model.mtp), None without:
+        # ``fn((B, T)) -> (B, T / tp)``: the positions of a per-token tensor this rank's residual stream holds
+        # (sequence parallelism); ``fn(t) -> t`` summed over the ranks holding the other chunks of the same
+        # sequences (context parallelism); ``fn(logits, targets)``: the mean cross-entropy of logits that are
+        # not a plain tensor (tensor parallelism's vocab-sharded ones).
+        self.sequence_shard_fn: Callable[[Tensor], Tensor] | None = None
+        self.sequence_sum_fn: Callable[[Tensor], Tensor] | None = None
+        self.logits_loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None
 
     def forward(
         self,
@@ -72,25 +85,35 @@ class MoETransformer(nn.Module):
     ) -> Tensor:
         """Logits ``(B, T, V)`` of token ids ``(B, T)`` (a pipeline stage: see :meth:`blocks`); with ``labels``
         ``(B, T)``, the mean cross-entropy against them instead, the head fused into it (:meth:`fused_lm_loss`).
-        A training forward with MTP modules and targets (``labels`` or ``mtp_labels``) also sets
-        :attr:`last_mtp_loss`, which the trainer adds to the loss."""
+
+        A training forward of a model with ``mtp_depth`` and targets (``mtp_labels``, else ``labels``: next-token
+        labels of whole sequences or :func:`~moeforge.model.mtp.future_tokens`) sets :attr:`last_mtp_loss` where
+        the MTP modules are, which the trainer adds to the loss; pipeline stages before them pass the hidden
+        states on with the depths' embeddings (:func:`~moeforge.model.mtp.join_stream`)."""
         T = input_ids.shape[1]
         if self.positions_fn is not None and cache is None:
             positions = self.positions_fn(T, input_ids.device)
         else:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
         cos, sin = rope_tables(self.cfg.rope_dim, positions, self.cfg.rope_theta)
-        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        targets = mtp_labels if mtp_labels is not None else labels
+        with_mtp = self.cfg.mtp_depth > 0 and self.training and targets is not None and cache is None
+        embeds = None  # a later pipeline stage's MTP embeddings, received with the hidden states
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(input_ids)
+        else:
+            h = input_ids
+            if with_mtp:
+                h, embeds = split_stream(h, self.cfg)
         for block in self.blocks():
             h = block(h, cos, sin, cache)
         self.last_mtp_loss = None
-        targets = labels if labels is not None else mtp_labels
-        if self.mtp is not None and self.training and targets is not None and cache is None:
-            self.last_mtp_loss = mtp_loss(self, h, input_ids, targets, cos, sin, fused=labels is not None)
+        if with_mtp and self.mtp is not None:
+            self.last_mtp_loss = mtp_loss(self, h, input_ids, targets, cos, sin, labels is not None, embeds)
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is None:
-            return h
+            return join_stream(self, h, embeds, targets) if with_mtp else h  # type: ignore[arg-type]
         if labels is not None:
             return self.fused_lm_loss(h, labels)
         logits = self.lm_head(h)

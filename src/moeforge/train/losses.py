@@ -8,9 +8,12 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
+from moeforge.config import ModelConfig
 from moeforge.model import MoETransformer
 from moeforge.model.moe.layer import routing_losses
+from moeforge.model.mtp import future_tokens
 from moeforge.ops.cross_entropy import ChunkedCrossEntropy
+from moeforge.parallel.context.chunks import chunk_positions
 from moeforge.parallel.tensor.loss import vocab_parallel_cross_entropy
 
 
@@ -22,6 +25,14 @@ def moe_aux_terms(model: MoETransformer) -> tuple[Tensor, Tensor, Tensor]:
         return zero, zero, zero
     weighted, aux, z = losses
     return weighted, aux.mean(), z.mean()
+
+
+def mtp_targets(cfg: ModelConfig, batch: Tensor, cp: int = 1, cp_rank: int = 0) -> Tensor | None:
+    """The future tokens (:func:`~moeforge.model.mtp.future_tokens`) of cp rank ``cp_rank``'s inputs of token
+    windows ``batch`` ``(B, S + 1)``, the multi-token-prediction targets; None without MTP (``model.mtp_depth``)."""
+    if not cfg.mtp_depth:
+        return None
+    return future_tokens(batch, cfg.mtp_depth, chunk_positions(batch.shape[1] - 1, cp, cp_rank, batch.device))
 
 
 def lm_loss_fn(logits: Tensor, targets: Tensor, upcast: bool = True) -> Tensor:

@@ -6,7 +6,8 @@ module turns what the stage recorded into the same per-rank sums the
 single-stage loop produces, so the trainer's one collective per step (over the
 world: every stage, every data shard) yields the same losses and loads as one
 process: ``lm`` from the last stage, each stage's aux / z sums over its own
-MoE layers, and each stage's loads in its rows of the whole model's table.
+MoE layers (the last stage's include the MTP modules' and its weighted terms
+the MTP loss), and each stage's loads in its rows of the whole model's table.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from moeforge.parallel.pipeline.schedule import PipelineRunner
 from moeforge.parallel.pipeline.stages import RankStages, stage_ranks
 from moeforge.parallel.stack import DTYPES, TrainingStack
 from moeforge.train.balance import LoadAccumulator, packed_width
-from moeforge.train.losses import lm_loss_fn
+from moeforge.train.losses import lm_loss_fn, mtp_targets
 
 
 class PipelinedTrainer(Protocol):
@@ -93,10 +94,11 @@ def pipelined_forward_backward(trainer: PipelinedTrainer, micro_batches: list[Te
 
     for chunk, load in zip(pipe.chunks, loads):
         chunk.on_forward = recorder(load)
+    future = mtp_targets(trainer.cfg.model, batch, mesh.cp, mesh.cp_rank)  # multi-token prediction: every stage's
     trainer.stack.set_grad_sync(False)  # accumulate; finish_grad_sync reduces after the schedule
     try:
         with trainer.autocast():
-            losses = pipe.run_train(inputs, targets, n_micro)
+            losses = pipe.run_train(inputs, targets, n_micro, future)
     finally:
         for chunk in pipe.chunks:
             chunk.on_forward = None

@@ -38,7 +38,7 @@ from moeforge.train.checkpoint.store import checkpoints_dir, step_name
 from moeforge.train.data_setup import ensure_data
 from moeforge.train.distributed import all_reduce_sum, barrier, init_distributed, pick_device
 from moeforge.train.fit_check import check_fit
-from moeforge.train.losses import lm_loss_fn, moe_aux_terms
+from moeforge.train.losses import lm_loss_fn, moe_aux_terms, mtp_targets
 from moeforge.train.memory_record import gather_memory, write_memory_json
 from moeforge.train.metrics import MetricsWriter, read_metrics
 from moeforge.train.pipeline_step import build_pipeline, pipelined_eval_sums, pipelined_forward_backward
@@ -190,13 +190,14 @@ class Trainer:
             sums, load_rows = self._forward_backward(micro_batches)
         return self._finish_step(sums, load_rows, len(micro_batches))
 
-    def _lm_loss(self, inputs: Tensor, targets: Tensor, upcast: bool) -> Tensor:
+    def _lm_loss(self, inputs: Tensor, targets: Tensor, upcast: bool, future: Tensor | None = None) -> Tensor:
         """One micro-batch's mean next-token loss (fp32), the forward under autocast: the model's fused head and
-        loss, or its logits through :func:`lm_loss_fn` (``upcast``: on an fp32 copy off the CPU)."""
+        loss, or its logits through :func:`lm_loss_fn` (``upcast``: on an fp32 copy off the CPU). ``future``:
+        the MTP targets (:func:`mtp_targets`), else ``targets`` serve."""
         with self.autocast():
             if self.kernels.fused_loss:
-                return self.model(inputs, labels=targets)
-            logits = self.model(inputs, mtp_labels=targets)
+                return self.model(inputs, labels=targets, mtp_labels=future)
+            logits = self.model(inputs, mtp_labels=targets if future is None else future)
         return lm_loss_fn(logits, targets, upcast=upcast)
 
     def _forward_backward(self, micro_batches: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -211,9 +212,10 @@ class Trainer:
         for i, batch in enumerate(micro_batches):
             batch = batch.to(self.device, non_blocking=True)
             inputs, targets = cp_chunks(batch, mesh.cp, mesh.cp_rank)  # this cp rank's chunks
+            future = mtp_targets(self.cfg.model, batch, mesh.cp, mesh.cp_rank)
             stack.set_grad_sync(i == n_micro - 1)
             with meter if meter is not None and i == 0 else contextlib.nullcontext():
-                lm = self._lm_loss(inputs, targets, upcast=False)
+                lm = self._lm_loss(inputs, targets, upcast=False, future=future)
                 weighted_aux, aux, z = moe_aux_terms(model)
                 loss = lm + weighted_aux.to(lm.device)
                 if model.last_mtp_loss is not None:  # multi-token prediction (model.mtp_depth)

@@ -40,10 +40,12 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
         self.last_routing: RouterOutput | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        """``x`` ``(..., d)``; ``token_mask`` (one bool per token, None: all): the tokens the router's losses and
+        counts include. Every token is routed and computed either way."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routing = self.router(flat)
+        routing = self.router(flat, token_mask)
         self.last_routing = routing
         out = self.dispatcher.run(flat, routing.indices, routing.weights, self.experts).to(x.dtype)
         if self.shared_expert is not None:

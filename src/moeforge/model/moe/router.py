@@ -127,14 +127,16 @@ class TopKRouter(nn.Module):
             self._zipf_cache = (epoch, w.to(device))
         return self._zipf_cache[1]
 
-    def forward(self, x: Tensor) -> RouterOutput:
-        """Route ``x: (N, D)``."""
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> RouterOutput:
+        """Route ``x: (N, D)``; ``token_mask`` ``(N,)`` bool (None: all): the tokens the losses and the counts
+        include (multi-token prediction's positions without a target are routed but not counted)."""
         if self.training and self.cfg.jitter_eps > 0:
             x = x * torch.empty_like(x).uniform_(1 - self.cfg.jitter_eps, 1 + self.cfg.jitter_eps)
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         # the softmax router's weights and losses in one autograd node (ops.router_scores): probs without autograd
         fused = self.cfg.score_func == "softmax" and self.token_stats_reduce is None and x.shape[0] > 0
+        fused = fused and token_mask is None
         if fused:
             scores = probs = logits.detach().softmax(dim=-1)
         elif self.cfg.score_func == "softmax":
@@ -148,7 +150,11 @@ class TopKRouter(nn.Module):
         else:
             indices = self._select(scores.detach())
         counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
-        counts.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=x.device))
+        if token_mask is None:
+            counts.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=x.device))
+        else:
+            kept = token_mask[:, None].expand(indices.shape).reshape(-1).float()
+            counts.scatter_add_(0, indices.reshape(-1), kept)
         if not fused:
             weights = scores.gather(1, indices)
             if self.cfg.norm_topk_prob:
@@ -156,6 +162,9 @@ class TopKRouter(nn.Module):
         scale = self.cfg.routed_scaling_factor
         if not fused and scale != 1.0:
             weights = weights * scale
+        if token_mask is not None:
+            aux, z = self._masked_losses(logits, probs, counts, token_mask)
+            return RouterOutput(indices, weights, aux, z, counts)
         if self.token_stats_reduce is not None:
             aux, z = self._reduced_losses(logits, probs, counts)
             return RouterOutput(indices, weights, aux, z, counts)
@@ -183,10 +192,31 @@ class TopKRouter(nn.Module):
         n_all = n_all.clamp(min=1.0)
         fractions = counts_all / (n_all * self.top_k)
         if self.reduce_counts is not None:  # the route fractions of the whole sequences (equal tokens per part)
-            seq_counts = self.reduce_counts(counts_all.clone())
+            seq_counts = self.reduce_counts(counts_all.detach().clone())  # counts: no gradient
             fractions = seq_counts / seq_counts.sum().clamp_min(1.0)
         aux = e * (fractions * (probs_sum / n_all)).sum()
         return aux, z_all / n_all
+
+    def _masked_losses(self, logits: Tensor, probs: Tensor, counts: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """The aux and z losses over the tokens ``keep`` marks (``counts`` are theirs already).
+
+        The parts of a batch hold different numbers of such tokens, so the sums are divided by the mean count
+        of the parts that share sequences (:attr:`reduce_counts`), not by this part's own: the mean of the parts'
+        losses is then the loss of the marked tokens of whole sequences."""
+        w = keep.to(torch.float32)
+        probs_sum = (probs * w[:, None]).sum(dim=0)
+        z_sum = (torch.logsumexp(logits, dim=-1).square() * w).sum().reshape(1)
+        e, n = self.num_experts, w.sum().reshape(1)
+        if self.token_stats_reduce is not None:  # the parts of one sequence slice (sequence parallelism)
+            stats = self.token_stats_reduce(torch.cat([counts, probs_sum, z_sum, n]))
+            counts, probs_sum, z_sum, n = stats[:e], stats[e : 2 * e], stats[2 * e : 2 * e + 1], stats[2 * e + 1 :]
+        routes = counts.sum().clamp_min(1.0)
+        per_part = n.clamp_min(1.0)
+        if self.reduce_counts is not None:  # the chunks of the same sequences (context parallelism)
+            seq = self.reduce_counts(torch.cat([counts, n, torch.ones_like(n)]).detach())
+            counts, routes, per_part = seq[:e], seq[:e].sum().clamp_min(1.0), seq[e] / seq[e + 1]
+        aux = e * (counts / routes * (probs_sum / per_part)).sum()
+        return aux, (z_sum / per_part).squeeze(0)
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor) -> None:

@@ -17,7 +17,8 @@ hooks the model offers (the model itself knows nothing of ranks):
 * ``TopKRouter.reduce_counts``: the aux loss's route fractions are summed
   over the cp group, so the mean of the ranks' aux losses equals the aux loss
   of whole sequences (the mean routing probabilities stay local: every rank
-  holds equally many tokens).
+  holds equally many tokens). ``MoETransformer.sequence_sum_fn`` sums the same
+  way: multi-token prediction's ranks hold unequally many positions with a target.
 
 The token chunks themselves come from :func:`moeforge.parallel.context.chunks.cp_chunks`.
 """
@@ -71,6 +72,7 @@ def parallelize_context(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
         return counts
 
     model.positions_fn = positions
+    model.sequence_sum_fn = reduce_counts
     attend = context_parallel_attention(group, cp, cp_rank)
     for m in model.modules():
         if isinstance(m, (Attention, MLAttention)):

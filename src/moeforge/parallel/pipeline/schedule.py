@@ -13,9 +13,18 @@ loss function runs. :class:`StageChunk` adds the stage's weighted aux terms
 into the backward through :class:`_AuxGrad`: its output is the stage's output
 unchanged, and its backward hands the weighted aux sum the gradient
 ``1 / n_micro``, exactly its weight in the single-process loss, so each
-stage's routers get their balancing gradient. The stage also records, per
-micro-batch forward, the detached aux / z sums and the layers' packed loads
-(``on_forward``), which the trainer reduces over all stages.
+stage's routers get their balancing gradient. The multi-token-prediction
+loss of the last stage (``model.mtp_depth``) rides along the same way: a term
+of the stage's own, not of the loss function. The stage also records, per
+micro-batch forward, the detached sum of those terms, the aux / z sums and
+the layers' packed loads (``on_forward``), which the trainer reduces over all
+stages.
+
+With MTP every training stage takes the future tokens
+(:func:`~moeforge.model.mtp.future_tokens`) as the keyword ``mtp_labels``, and
+the stream between stages is ``(D + 1) d`` wide: the hidden states and the
+first stage's embeddings of each depth's shifted tokens
+(:func:`~moeforge.model.mtp.join_stream`).
 """
 
 from __future__ import annotations
@@ -68,12 +77,15 @@ class _AuxGrad(torch.autograd.Function):
 
 
 def stage_aux_terms(model: MoETransformer) -> tuple[Tensor | None, Tensor, Tensor]:
-    """``(weighted aux + z sum or None, aux sum, z sum)`` of this stage's MoE layers' last forward."""
+    """``(weighted aux + z sum + MTP loss, or None; aux sum, z sum)`` of this stage's last forward."""
     losses = routing_losses(model.moe_layers())
+    mtp = model.last_mtp_loss
     if losses is None:
         zero = torch.zeros(())
-        return None, zero, zero
+        return mtp, zero, zero
     weighted, aux, z = losses
+    if mtp is not None:
+        weighted = weighted + mtp.to(weighted.device)
     return weighted, aux.sum(), z.sum()
 
 
@@ -167,14 +179,15 @@ class PipelineRunner:
         """The schedule takes a list of stages (interleaved_1f1b, zbv)."""
         return self.schedule_name in MULTI_STAGE
 
-    def _stages(self, rows: int, seq: int) -> list[PipelineStage]:
-        """This rank's stages with static metadata for micro-batches of ``rows`` sequences of ``seq`` tokens.
+    def _stages(self, rows: int, seq: int, width: int | None = None) -> list[PipelineStage]:
+        """This rank's stages with static metadata for micro-batches of ``rows`` sequences of ``seq`` tokens,
+        ``width`` features between stages (default ``d_model``).
 
         Static shapes skip torch's dynamic metadata inference, which would run
         an extra forward and backward on the first step (and so count an extra
         set of routing statistics and aux losses).
         """
-        d, vocab = self.model.cfg.d_model, self.model.cfg.vocab_size
+        d, vocab = width or self.model.cfg.d_model, self.model.cfg.vocab_size
         meta = torch.device("meta")
         # between stages the residual stream is sequence-parallel over tp: each tp rank sends its T / tp positions
         hidden = torch.empty(rows, seq // self.mesh.tp, d, dtype=self.hidden_dtype, device=meta, requires_grad=True)
@@ -193,8 +206,10 @@ class PipelineRunner:
             for c in self.chunks
         ]
 
-    def _build(self, cls: type, rows: int, seq: int, n_micro: int, loss_fn: Callable[..., Tensor]) -> Any:
-        stages = self._stages(rows, seq)
+    def _build(
+        self, cls: type, rows: int, seq: int, n_micro: int, loss_fn: Callable[..., Tensor], width: int | None = None
+    ) -> Any:
+        stages = self._stages(rows, seq, width)
         arg = stages if cls in (SCHEDULES[n] for n in MULTI_STAGE) else stages[0]
         return cls(arg, n_micro, loss_fn=loss_fn, scale_grads=False)
 
@@ -206,10 +221,13 @@ class PipelineRunner:
         for c in self.chunks:
             c.grad_scale = scale
 
-    def run_train(self, inputs: Tensor, targets: Tensor, n_micro: int) -> list[Tensor]:
+    def run_train(
+        self, inputs: Tensor, targets: Tensor, n_micro: int, mtp_labels: Tensor | None = None
+    ) -> list[Tensor]:
         """Forward and backward of ``n_micro`` micro-batches of ``inputs``; the last stage's losses (each / n_micro).
 
-        Every stage passes the whole step's ``inputs`` and ``targets`` (each uses what its place needs).
+        Every stage passes the whole step's ``inputs`` and ``targets`` (each uses what its place needs), and
+        with multi-token prediction the future tokens ``mtp_labels``, which every stage takes.
         """
         if n_micro not in self._train:
 
@@ -217,13 +235,17 @@ class PipelineRunner:
                 return self.train_loss(logits, targets) / n_micro
 
             cls = SCHEDULES[self.schedule_name]
-            self._train[n_micro] = self._build(cls, targets.shape[0] // n_micro, targets.shape[1], n_micro, loss_fn)
+            cfg = self.model.cfg
+            width = cfg.d_model * (cfg.mtp_depth + 1) if mtp_labels is not None else None
+            rows, seq = targets.shape[0] // n_micro, targets.shape[1]
+            self._train[n_micro] = self._build(cls, rows, seq, n_micro, loss_fn, width)
         schedule = self._train[n_micro]
         self.set_grad_scale(1.0 / n_micro)
         losses: list[Tensor] = []
         args, target = self._args(inputs, targets)
+        kwargs = {"mtp_labels": mtp_labels} if mtp_labels is not None else {}
         # the last stage's logits are not returned: kept, they would hold every micro-batch's logits to the end
-        schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         return losses
 
     @torch.no_grad()

@@ -5,10 +5,13 @@ stages (one, or several virtual stages: :func:`rank_stage_ids`): the blocks of
 contiguous ranges of layers (``layers`` becomes a ModuleDict keyed by the
 layer index, so parameter names stay those of the whole model and
 checkpoints stay topology-neutral), the embedding on the first stage
-only, the final norm and LM head on the last only. The split is
-``parallel.pp_layers`` when given, else the one that balances the stages'
-training FLOPs (:func:`balanced_split`), with the embedding charged to the
-first stage and the head and loss to the last.
+only, the final norm and LM head on the last only, and with them the
+multi-token-prediction modules (``model.mtp_depth``), which score with that
+head: their MoE layers are the last rows of the model's MoE table, after the
+trunk's. The split is ``parallel.pp_layers`` when given, else the one that
+balances the stages' training FLOPs (:func:`balanced_split`), with the
+embedding charged to the first stage and the head, the loss and the MTP
+modules to the last.
 """
 
 from __future__ import annotations
@@ -39,6 +42,17 @@ def layer_train_flops(cfg: ModelConfig, seq_len: int) -> list[float]:
 def head_train_flops(cfg: ModelConfig) -> float:
     """Training FLOPs per token of the LM head and the loss (the last stage's extra work)."""
     return 6.0 * cfg.d_model * cfg.vocab_size + 4.0 * cfg.vocab_size
+
+
+def last_stage_train_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of the last stage's parts besides its layers: the head and the loss, and per MTP
+    depth a block (as costly as an MoE layer), its ``eh_proj`` and another pass through the head."""
+    head = head_train_flops(cfg)
+    if not cfg.mtp_depth:
+        return head
+    moe_layers = [c for i, c in enumerate(layer_train_flops(cfg, seq_len)) if i not in cfg.dense_layers]
+    block = moe_layers[0] if moe_layers else max(layer_train_flops(cfg, seq_len))
+    return head + cfg.mtp_depth * (block + 6.0 * 2 * cfg.d_model * cfg.d_model + head)
 
 
 def balanced_split(costs: list[float], stages: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
@@ -78,12 +92,14 @@ def stage_layer_counts(cfg: Config) -> list[int]:
     if p.pp_layers:
         return list(p.pp_layers)
     m = cfg.model
-    return balanced_split(layer_train_flops(m, cfg.data.seq_len), stages, last_extra=head_train_flops(m))
+    costs = layer_train_flops(m, cfg.data.seq_len)
+    return balanced_split(costs, stages, last_extra=last_stage_train_flops(m, cfg.data.seq_len))
 
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Where one stage sits: its index, its layers ``[first_layer, end_layer)`` and its MoE layers' global rows."""
+    """Where one stage sits: its index, its layers ``[first_layer, end_layer)`` and its MoE layers' global rows
+    (the last stage's include the MTP modules' MoE layers, the table's last rows)."""
 
     stage: int
     num_stages: int
@@ -109,8 +125,10 @@ def stage_layout(cfg: Config, stage: int) -> StageLayout:
     counts = stage_layer_counts(cfg)
     first = sum(counts[:stage])
     end = first + counts[stage]
-    moe = [i not in cfg.model.dense_layers for i in range(cfg.model.n_layers)]
-    return StageLayout(stage, len(counts), first, end, sum(moe[:first]), sum(moe), sum(moe[first:end]))
+    m = cfg.model
+    moe = [i not in m.dense_layers for i in range(m.n_layers + m.mtp_depth)]  # the MTP blocks follow the layers
+    end_rows = len(moe) if stage == len(counts) - 1 else end  # the last stage holds the MTP modules
+    return StageLayout(stage, len(counts), first, end, sum(moe[:first]), sum(moe), sum(moe[first:end_rows]))
 
 
 def rank_stage_ids(pp: int, stages_per_rank: int, schedule: str, pp_rank: int) -> list[int]:
@@ -165,7 +183,7 @@ def carve_stages(model: MoETransformer, stages: RankStages) -> MoETransformer:
 
     ``layers`` becomes a ModuleDict of the stages' layers keyed by the layer
     index (in layer order); the embedding stays when a stage is the first, the
-    final norm and head when one is the last.
+    final norm, head and MTP modules when one is the last.
     """
     blocks = list(model.layers)
     keep = sorted(i for p in stages.layouts for i in range(p.first_layer, p.end_layer))
@@ -175,6 +193,7 @@ def carve_stages(model: MoETransformer, stages: RankStages) -> MoETransformer:
     if not stages.has_last:
         model.norm = None  # type: ignore[assignment]
         model.lm_head = None  # type: ignore[assignment]
+        model.mtp = None
     return model
 
 
@@ -193,7 +212,9 @@ def stage_view(model: MoETransformer, layout: StageLayout) -> MoETransformer:
     view.layers = nn.ModuleDict({str(i): layers[str(i)] for i in range(layout.first_layer, layout.end_layer)})
     view.norm = model.norm if layout.is_last else None  # type: ignore[assignment]
     view.lm_head = model.lm_head if layout.is_last else None  # type: ignore[assignment]
-    view.positions_fn = model.positions_fn  # hooks other parallelize_* functions set on the whole model
-    view.mtp = None  # multi-token prediction runs on one stage only (refused with pp > 1 by the config)
+    # hooks other parallelize_* functions set on the whole model
+    view.positions_fn, view.logits_loss_fn = model.positions_fn, model.logits_loss_fn
+    view.sequence_shard_fn, view.sequence_sum_fn = model.sequence_shard_fn, model.sequence_sum_fn
+    view.mtp = model.mtp if layout.is_last else None  # multi-token prediction scores with the last stage's head
     view.last_mtp_loss = None
     return view

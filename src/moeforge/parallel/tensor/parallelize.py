@@ -29,7 +29,11 @@ that, over the ``tp`` ranks of ``mesh.tp_group``:
   statistics over the tp ranks (:attr:`TopKRouter.token_stats_reduce`), so they
   are those of the whole batch. Experts stay expert-parallel (no expert TP):
   each tp index has its own ep group, and expert weights are replicated over
-  the tp ranks, whose gradients are summed over ``mesh.edp_group``.
+  the tp ranks, whose gradients are summed over ``mesh.edp_group``;
+- multi-token prediction's blocks follow the same plan; its ``eh_proj`` and
+  norms run sequence-parallel (replicated); the model's
+  ``sequence_shard_fn`` and ``logits_loss_fn`` hooks give the MTP loss this
+  rank's positions of its masks and the vocab-parallel cross-entropy.
 
 Weights become DTensors over ``mesh.tp_mesh`` with their full logical shape
 (:mod:`moeforge.parallel.tensor.modules`), so checkpoints do not depend on tp.
@@ -52,9 +56,11 @@ from moeforge.model.attention import Attention
 from moeforge.model.layers import SwiGLU
 from moeforge.model.mla import MLAttention
 from moeforge.model.moe.layer import MoELayer
+from moeforge.model.mtp import IGNORE_INDEX
 from moeforge.model.transformer import MoETransformer
 from moeforge.parallel.mesh import MoEMesh
 from moeforge.parallel.tensor.collectives import gather_along, reduce_scatter_along, sum_forward_only
+from moeforge.parallel.tensor.loss import vocab_parallel_cross_entropy
 from moeforge.parallel.tensor.modules import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -145,12 +151,14 @@ def parallelize_tensor(model: MoETransformer, mesh: MoEMesh) -> MoETransformer:
     if embed is not None:
         model.embed_tokens = VocabParallelEmbedding(embed, mesh.tp_mesh)
     else:  # a later pipeline stage: its input is the sequence-parallel residual stream, T / tp positions each
-        tp = mesh.tp
-        model.positions_fn = lambda T, device: torch.arange(T * tp, device=device)
+        model.positions_fn = lambda T, device: torch.arange(T * mesh.tp, device=device)
     if head is not None:
         shared = model.embed_tokens.weight if tied else None  # type: ignore[union-attr]
         model.lm_head = VocabParallelHead(head, mesh.tp_mesh, weight=shared)  # type: ignore[assignment]
-    for block in model.blocks():
+    tp, tp_rank = mesh.tp, dist.get_rank(mesh.tp_group)
+    model.sequence_shard_fn = lambda t: t.chunk(tp, dim=1)[tp_rank]  # the reduce-scatter's slice of the sequence
+    model.logits_loss_fn = functools.partial(vocab_parallel_cross_entropy, ignore_index=IGNORE_INDEX)
+    for block in model.blocks() + [m.block for m in model.mtp or []]:
         if isinstance(block.self_attn, MLAttention):
             _parallelize_mla(block.self_attn, mesh)
         else:
@@ -192,7 +200,7 @@ def tensor_parallel_shard_dims(model: MoETransformer) -> dict[int, int]:
 
     linear(model.embed_tokens, 0)
     linear(model.lm_head, 0)
-    for block in model.blocks():
+    for block in model.blocks() + [m.block for m in model.mtp or []]:
         attn = block.self_attn
         dims[id(attn.o_proj.weight)] = 1  # row-parallel; its bias, where it has one, is replicated
         if isinstance(attn, MLAttention):
