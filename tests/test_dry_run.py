@@ -146,6 +146,13 @@ PLANNED_LAYOUTS = [
 ]
 
 
+FAMILY_LAYOUTS = [
+    ("deepseek_v3_tiny.yaml", ["--parallel.pp=2", "--parallel.tp=2"]),
+    ("deepseek_v3_tiny.yaml", ["--parallel.tp=2", "--parallel.ep=2"]),
+    ("gpt_oss_tiny.yaml", ["--parallel.tp=2", "--parallel.cp=2"]),
+]
+
+
 def test_the_planner_equals_the_dry_run_on_every_layout(tmp_path: Path) -> None:
     for world, extra in PLANNED_LAYOUTS:
         cfg = tiny_config(tmp_path, "--train.micro_batch_size=2", *BF16, *NO_PAD, *extra)
@@ -155,6 +162,13 @@ def test_the_planner_equals_the_dry_run_on_every_layout(tmp_path: Path) -> None:
         for rep in dry_run(cfg, world, ranks)["ranks"]:
             for key in STATE_KEYS:
                 assert rep[key] == predicted[rep["rank"]][key], (extra, rep["rank"], key, rep[key])
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for name, extra in FAMILY_LAYOUTS:  # latent attention and MTP on the last stage; sinks and windows
+        cfg = load_config(configs / name, ["--model.vocab_size=512", *extra])
+        predicted = predict_state(cfg, 4)
+        for rep in dry_run(cfg, 4, [0, 1, 3])["ranks"]:
+            for key in STATE_KEYS:
+                assert rep[key] == predicted[rep["rank"]][key], (name, extra, rep["rank"], key, rep[key])
     staged = make_plan(tiny_config(tmp_path, *BF16, *NO_PAD, "--model.vocab_size=300", "--parallel.pp=2"), 2)
     first, last = staged["predicted"]["ranks"]
     assert first["params_bytes"] != last["params_bytes"]  # the stages differ: embedding first, head last
