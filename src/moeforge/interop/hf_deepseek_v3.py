@@ -11,8 +11,11 @@ rotated rows of the query projection and of ``kv_a_proj_with_mqa`` evens first, 
 the other exactly (transformers computes the interleaved rotation in that order too), so import permutes those
 rows and export puts them back and writes ``rope_interleave: true``.
 
+YaRN RoPE (``rope_type: yarn``, as the released checkpoints extend their context) maps to ``model.rope_scaling:
+yarn`` and ``model.yarn``; its ``mscale_all_dim`` also scales latent attention's softmax, as transformers does.
+
 Not carried: the multi-token-prediction layers (``num_nextn_predict_layers``; their tensors, stored as layers
-past ``num_hidden_layers``, are skipped on import and none are exported) and scaled RoPE (YaRN), which raises.
+past ``num_hidden_layers``, are skipped on import and none are exported).
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ from torch import Tensor
 
 from moeforge.config import MLAConfig, ModelConfig, MoEConfig
 from moeforge.interop.hf_fields import check_common as _check_common
-from moeforge.interop.hf_fields import common_export_fields
+from moeforge.interop.hf_fields import common_export_fields, rope_fields
 from moeforge.interop.hf_fields import require as _require
-from moeforge.interop.hf_fields import rope_theta as _rope_theta
 from moeforge.interop.hf_fields import unsupported as _unsupported
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ def config_from_hf_deepseek_v3(d: dict[str, Any]) -> ModelConfig:
         d_model=d_model,
         n_layers=n_layers,
         n_heads=n_heads,
-        rope_theta=_rope_theta(d),
+        **rope_fields(d, yarn=True),
         norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         dense_layers=list(range(first_dense)),

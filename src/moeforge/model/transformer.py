@@ -11,11 +11,12 @@ from torch import Tensor, nn
 
 from moeforge.config import ModelConfig
 from moeforge.model.attention import Attention, KVCache
-from moeforge.model.layers import RMSNorm, SwiGLU, rope_tables
+from moeforge.model.layers import RMSNorm, SwiGLU
 from moeforge.model.mla import MLAttention
 from moeforge.model.moe.layer import MoELayer
 from moeforge.model.mtp import MTPModule, mtp_loss
 from moeforge.ops.cross_entropy import linear_cross_entropy
+from moeforge.ops.rope import model_rope_tables
 
 
 class Block(nn.Module):
@@ -79,7 +80,7 @@ class MoETransformer(nn.Module):
             positions = self.positions_fn(T, input_ids.device)
         else:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
-        cos, sin = rope_tables(self.cfg.rope_dim, positions, self.cfg.rope_theta)
+        cos, sin = model_rope_tables(self.cfg, positions)
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         for block in self.blocks():
             h = block(h, cos, sin, cache)
