@@ -19,6 +19,7 @@ def test_every_field_has_a_type_default_and_doc() -> None:
         "model",
         "model.moe",
         "model.mla",
+        "model.yarn",
         "data",
         "optim",
         "train",

@@ -250,8 +250,9 @@ def _tiny_gpt_oss(tmp: Path, run: str, *extra: str):
     return load_config(ROOT / "configs" / "gpt_oss_tiny.yaml", over)
 
 
-#: layouts of the same run on 2 gloo processes: experts over ep=2 by all-to-all
-EP_LAYOUTS = {"ep2": ["--parallel.ep=2"]}
+#: layouts of the same run on 2 gloo processes: experts over ep=2 by all-to-all, on the ddp stack and on fsdp
+#: (the gpt-oss-120b preset's stack)
+EP_LAYOUTS = {"ep2": ["--parallel.ep=2"], "fsdp_ep2": ["--parallel.stack=fsdp", "--parallel.ep=2"]}
 
 
 def _train_layouts(root: str) -> None:

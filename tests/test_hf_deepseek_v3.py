@@ -23,6 +23,19 @@ from moeforge.model import build_model
 from .helpers import CapturedWarnings
 from .test_hf_parity import VOCAB, _assert_same_logits, _perturb_norms
 
+#: YaRN as DeepSeek-V3 ships it, shrunk to the tiny model: a pre-training context of 16 positions extended 4x,
+#: and mscale_all_dim apart from mscale so that both the tables' factor and the softmax's differ from 1
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 30000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+
 
 def _deepseek(seed: int = 0, **overrides) -> torch.nn.Module:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -70,8 +83,9 @@ def _deepseek(seed: int = 0, **overrides) -> torch.nn.Module:
     [
         dict(),  # q compression, interleaved RoPE (DeepSeek's layout), 1 dense layer
         dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1, norm_topk_prob=False, v_head_dim=32),
+        dict(rope_parameters=YARN),  # YaRN: the frequencies, the tables' factor and the softmax scale
     ],
-    ids=["v3", "plain_q"],
+    ids=["v3", "plain_q", "yarn"],
 )
 def test_from_hf_deepseek_v3_matches_transformers(tmp_path, overrides):
     hf = _deepseek(**overrides)
@@ -112,6 +126,52 @@ def test_deepseek_v3_export_round_trip_and_transformers_logits(tmp_path):
     assert type(reloaded).__name__ == "DeepseekV3ForCausalLM"
     _assert_same_logits(reloaded, ours, seed=1)
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_deepseek_v3_yarn_import_export_and_its_effect(tmp_path):
+    """YaRN's fields come in as model.yarn, matter to the logits, survive export, and transformers computes the
+    exported model's logits; DeepSeek-V3's released values (the mscales equal) import too."""
+    from transformers import AutoModelForCausalLM
+
+    hf = _deepseek(seed=4, rope_parameters=YARN)
+    hf.save_pretrained(tmp_path / "src")
+    ours = from_hf(tmp_path / "src")
+    y = ours.cfg.yarn
+    assert ours.cfg.rope_scaling == "yarn" and ours.cfg.rope_theta == 30000.0
+    assert (y.factor, y.original_max_position_embeddings, y.mscale, y.mscale_all_dim) == (4.0, 16, 1.0, 0.8)
+    assert (y.beta_fast, y.beta_slow, y.truncate, y.attention_factor) == (32.0, 1.0, True, 0.0)
+    _assert_same_logits(hf, ours)
+    plain = build_model(replace(ours.cfg, rope_scaling="none", yarn=type(y)()))
+    plain.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (plain(ids) - hf(ids).logits).abs().max() > 1e-3  # without YaRN the logits differ
+    out = to_hf(ours, tmp_path / "out", "deepseek_v3")
+    written = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert {k: written[k] for k in YARN} == YARN
+    again = from_hf(out)
+    assert again.cfg == ours.cfg
+    _assert_same_logits(AutoModelForCausalLM.from_pretrained(out).eval(), ours, seed=1)
+    released = _config_dict()  # the 671B config.json's legacy form: rope_scaling with "type", theta beside it
+    released.pop("rope_parameters")
+    released.update(
+        rope_theta=10000,
+        max_position_embeddings=163840,
+        rope_scaling={
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+    )
+    cfg = config_from_hf(released)
+    assert cfg.rope_scaling == "yarn" and cfg.rope_theta == 10000.0 and cfg.max_seq_len == 163840
+    assert (cfg.yarn.factor, cfg.yarn.mscale, cfg.yarn.mscale_all_dim) == (40.0, 1.0, 1.0)
+    del released["rope_scaling"]["factor"]  # transformers then takes max_position_embeddings / original
+    assert config_from_hf(released).yarn.factor == 40.0
 
 
 def test_deepseek_v3_mtp_layers_are_skipped(tmp_path):
@@ -194,7 +254,9 @@ def _config_dict() -> dict:
 @pytest.mark.parametrize(
     "change, field",
     [
-        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}), "rope_type"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 40.0}), "rope_type"),
+        (dict(rope_parameters={**YARN, "low_freq_factor": 1.0}), "low_freq_factor"),
+        (dict(rope_parameters={**YARN, "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
         (dict(num_key_value_heads=2), "num_key_value_heads"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(scoring_func="softmax"), "scoring_func"),

@@ -4,6 +4,7 @@ export and round trip, and the fields moeforge does not compute named in one lin
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,16 @@ from moeforge.interop.hf_gpt_oss import config_from_gpt_oss, config_to_gpt_oss
 
 VOCAB = 96
 ATOL = 1e-5
+#: gpt-oss's YaRN (factor 32, no truncation of the ramp) on a pre-training context of 8 of the tiny model's positions
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 8,
+}
 
 
 def _gpt_oss(seed: int = 0, **overrides) -> torch.nn.Module:
@@ -90,6 +101,31 @@ def test_gpt_oss_logits_match_transformers_and_round_trip(tmp_path: Path) -> Non
         assert torch.equal(a, b), k
 
 
+def test_gpt_oss_yarn_logits_match_and_round_trip(tmp_path: Path) -> None:
+    """gpt-oss's YaRN: imported as model.yarn, the logits equal transformers' (and differ without YaRN), the
+    export keeps every field and transformers computes the same logits from it."""
+    from transformers import GptOssForCausalLM
+
+    from moeforge.config import YarnConfig
+    from moeforge.model import build_model
+
+    hf = _gpt_oss(seed=5, rope_parameters=YARN)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = from_hf(tmp_path / "hf")
+    assert ours.cfg.rope_scaling == "yarn" and ours.cfg.rope_theta == 150000.0
+    assert ours.cfg.yarn == YarnConfig(factor=32.0, original_max_position_embeddings=8, truncate=False)
+    _assert_same_logits(hf, ours)
+    plain = build_model(replace(ours.cfg, rope_scaling="none", yarn=YarnConfig()))
+    plain.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert (plain(_ids()) - hf(_ids()).logits).abs().max() > 1e-3  # without YaRN the logits differ
+    to_hf(ours, tmp_path / "out", "gpt_oss")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+    assert written == YARN
+    _assert_same_logits(GptOssForCausalLM.from_pretrained(tmp_path / "out").eval(), ours)
+    assert from_hf(tmp_path / "out").cfg == ours.cfg
+
+
 def test_gpt_oss_export_of_a_model_without_biases_writes_zeros(tmp_path: Path) -> None:
     """A moeforge model without router or expert biases exports them as zeros and keeps its logits."""
     from transformers import GptOssForCausalLM
@@ -108,7 +144,8 @@ def test_gpt_oss_export_of_a_model_without_biases_writes_zeros(tmp_path: Path) -
 @pytest.mark.parametrize(
     "field,value,match",
     [
-        ("rope_parameters", {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0}, "rope_type"),
+        ("rope_parameters", {"rope_type": "dynamic", "factor": 32.0, "rope_theta": 150000.0}, "rope_type"),
+        ("rope_parameters", {**YARN, "long_factor": [1.0]}, "long_factor"),
         ("quantization_config", {"quant_method": "mxfp4"}, "quantization_config"),
         ("layer_types", ["sliding_attention", "chunked_attention"], "layer_types"),
         ("attention_dropout", 0.1, "attention_dropout"),

@@ -187,10 +187,13 @@ def test_memory_and_comm_by_hand(tmp_path: Path) -> None:
     assert fsdp["memory"]["optimizer"] == total * 8 / 4  # fp32: two moments, no separate master
     assert fsdp["comm_bytes"]["all_gather"] == pytest.approx(2 * 2 * total * 4 * 3 / 4)
     assert fsdp["comm_bytes"]["reduce_scatter"] == pytest.approx(2 * total * 4 * 3 / 4)
-    # fsdp with ep=2: dense shards over the 4 ranks, each ep rank's 2 experts over its 2 edp ranks
+    # fsdp with ep=2: dense shards over the 4 ranks, each ep rank's 2 experts over its 2 edp ranks; a gathered
+    # block holds the rank's 2 of its 4 experts (each block's experts are an FSDP unit of their own)
     fsdp_ep = lay["fsdp", 2]
     shard = (total - expert) / 4 + expert / 2 / 2
-    assert fsdp_ep["memory"]["weights"] == pytest.approx(shard * 4 + 2 * block * 4)
+    block_ep = block - expert / 2 / 2  # the block's own experts (half of them all) halved
+    assert fsdp_ep["memory"]["weights"] == pytest.approx(shard * 4 + 2 * block_ep * 4)
+    assert fsdp_ep["memory"]["gradients"] == pytest.approx(shard * 4 + block_ep * 4)
     assert fsdp_ep["memory"]["optimizer"] == pytest.approx(shard * 8)
     gathers = (total - expert) * 4 * 3 / 4 + expert / 2 * 4 / 2
     assert fsdp_ep["comm_bytes"]["all_gather"] == pytest.approx(2 * 2 * gathers)
@@ -215,7 +218,9 @@ def test_fit_matrix_on_180gb_gpus() -> None:
             fits[name, world] = [(x["stack"], x["ep"]) for x in plan["layouts"] if x["fits"]]
     assert fits["moe-1.2t", 8] == []
     assert fits["moe-1.2t", 512], "the 1.2T preset must fit some layout on 512 GPUs"
-    assert all(stack == "ddp" and ep >= 64 for stack, ep in fits["moe-1.2t", 512])
+    # fsdp without ep gathers a whole MoE block (22.5B parameters) twice; with ep a block's experts are E/ep
+    assert ("fsdp", 1) not in fits["moe-1.2t", 512] and ("fsdp", 64) in fits["moe-1.2t", 512]
+    assert all(ep >= 128 for stack, ep in fits["moe-1.2t", 512] if stack == "ddp")
     assert ("ddp", 8) in fits["moe-47b", 8]
     assert ("ddp", 1) not in fits["moe-47b", 8]  # replicated experts do not fit
     for name in ("olmoe-1b-7b", "moe-4.6b"):

@@ -12,6 +12,7 @@ from moeforge.config.sections import (
     OptimConfig,
     ParallelConfig,
     TrainConfig,
+    YarnConfig,
 )
 from moeforge.config.validation import ConfigError, validate_config, validate_layout
 
@@ -26,6 +27,7 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "TrainConfig",
+    "YarnConfig",
     "apply_override",
     "config_json",
     "from_dict",

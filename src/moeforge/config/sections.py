@@ -56,6 +56,20 @@ class MLAConfig:
 
 
 @dataclass
+class YarnConfig:
+    """YaRN RoPE scaling (Peng et al. 2023; DeepSeek-V3, gpt-oss), used where ``model.rope_scaling`` is ``yarn``."""
+
+    factor: float = 1.0  # context extension: the slow RoPE frequencies are divided by this (DeepSeek-V3 40, gpt-oss 32)
+    original_max_position_embeddings: int = 4096  # context length of pre-training, where the frequency ramp is placed
+    beta_fast: float = 32.0  # frequencies turning more than this often over that length are kept as they are
+    beta_slow: float = 1.0  # frequencies turning less than this often are divided by factor; a linear ramp between
+    mscale: float = 0.0  # with mscale_all_dim: the attention factor is mscale(factor, mscale) / mscale(factor, all_dim)
+    mscale_all_dim: float = 0.0  # latent attention (DeepSeek): softmax scale times mscale(factor, this)^2; 0: off
+    attention_factor: float = 0.0  # cos/sin tables scaled by this; 0: derived (0.1 ln(factor) + 1, or the mscale ratio)
+    truncate: bool = True  # round the ramp's ends to whole dimensions (gpt-oss: false)
+
+
+@dataclass
 class ModelConfig:
     """Decoder-only MoE transformer (OLMoE / Qwen3-MoE / Mixtral / Qwen2-MoE / DeepSeek-V3 / gpt-oss family)."""
 
@@ -66,6 +80,7 @@ class ModelConfig:
     n_kv_heads: int = 0  # 0: same as n_heads
     head_dim: int = 0  # 0: d_model // n_heads
     rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: Literal["none", "yarn"] = "none"  # yarn: YaRN's frequencies and attention factor (model.yarn)
     qk_norm: Literal["none", "full", "per_head"] = "none"  # RMSNorm of q and k: whole projection (OLMoE) or per head
     attn_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
     attn_out_bias: bool = False  # a bias on the attention output projection (gpt-oss)
@@ -90,6 +105,7 @@ class ModelConfig:
     mtp_loss_weight: float = 0.3  # the MTP loss is this times the mean of the modules' cross-entropies
     attention_type: Literal["mha", "mla"] = "mha"  # mha: grouped-query attention; mla: latent attention (model.mla)
     mla: MLAConfig = field(default_factory=MLAConfig)  # multi-head latent attention (section model.mla)
+    yarn: YarnConfig = field(default_factory=YarnConfig)  # YaRN RoPE scaling (section model.yarn)
 
     @property
     def kv_heads(self) -> int:

@@ -6,6 +6,7 @@ import glob
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moeforge.config.validation_rope import rope_problem
 from moeforge.errors import USAGE
 
 if TYPE_CHECKING:
@@ -35,8 +36,12 @@ def check_ep(ep: int, num_experts: int | None = None, world_size: int | None = N
 def _check_low_precision(cfg: Config) -> None:
     """mxfp8 / fp8_rowwise: every quantized GEMM dimension a multiple of the 32-element MX block."""
     m, moe, p = cfg.model, cfg.model.moe, cfg.train.precision
-    dims = [("model.d_model", m.d_model), ("model.n_heads x head_dim", m.n_heads * m.dim_head)]
-    dims.append(("model.n_kv_heads x head_dim", m.kv_heads * m.dim_head))
+    dims = [("model.d_model", m.d_model)]
+    if m.attention_type == "mla":
+        dims += _mla_gemm_dims(m)
+    else:
+        dims.append(("model.n_heads x head_dim", m.n_heads * m.dim_head))
+        dims.append(("model.n_kv_heads x head_dim", m.kv_heads * m.dim_head))
     if len(m.dense_layers):
         dims.append(("model.dense_hidden", m.dense_hidden))
     dims.append(("model.moe.expert_hidden", moe.expert_hidden))
@@ -62,6 +67,21 @@ def _check_low_precision(cfg: Config) -> None:
     )
 
 
+def _mla_gemm_dims(m: ModelConfig) -> list[tuple[str, int]]:
+    """Latent attention's GEMM widths besides ``d_model``: the query compression, the key-value latent with the
+    shared RoPE key, and the per-head query, key-value and output widths."""
+    a, h = m.mla, m.n_heads
+    dims = [("model.mla.q_lora_rank", a.q_lora_rank)] if a.q_lora_rank else []
+    return [
+        *dims,
+        ("model.mla.kv_lora_rank", a.kv_lora_rank),
+        ("model.mla.kv_lora_rank + qk_rope_head_dim", a.kv_lora_rank + a.qk_rope_head_dim),
+        ("model.n_heads x (mla.qk_nope_head_dim + qk_rope_head_dim)", h * (a.qk_nope_head_dim + a.qk_rope_head_dim)),
+        ("model.n_heads x (mla.qk_nope_head_dim + v_head_dim)", h * (a.qk_nope_head_dim + a.v_head_dim)),
+        ("model.n_heads x mla.v_head_dim", h * a.v_head_dim),
+    ]
+
+
 def check_gpt_oss_features(cfg: Config) -> None:
     """Sliding windows, attention sinks and gpt-oss's experts: their values, and the precisions they run in."""
     m, moe = cfg.model, cfg.model.moe
@@ -76,12 +96,6 @@ def check_gpt_oss_features(cfg: Config) -> None:
     )
     if moe.expert_activation == "clamped_swiglu":
         _check(moe.swiglu_limit > 0, "model.moe.swiglu_limit", f"must be > 0, got {moe.swiglu_limit}")
-    _check(
-        not (moe.expert_proj_bias or moe.expert_activation != "swiglu") or cfg.train.precision in ("fp32", "bf16"),
-        "train.precision",
-        f"{cfg.train.precision} quantizes the plain SwiGLU experts only: use fp32 or bf16 with "
-        "model.moe.expert_proj_bias or model.moe.expert_activation=clamped_swiglu",
-    )
 
 
 def fused_loss_blocker(model: ModelConfig, tp: int = 1, pp: int = 1, lowp_head: bool = False) -> str | None:
@@ -118,6 +132,9 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     for i in m.dense_layers:
         _check(0 <= i < m.n_layers, "model.dense_layers", f"layer {i} is outside 0..{m.n_layers - 1}")
     _check(m.init_std > 0, "model.init_std", "must be > 0")
+    rope = rope_problem(cfg)
+    if rope is not None:
+        raise ConfigError(f"{rope[0]}: {rope[1]}")
     check_mtp(cfg)
     _check(m.logit_softcap >= 0, "model.logit_softcap", f"must be >= 0 (0: off), got {m.logit_softcap}")
     _check(moe.num_experts >= 1, "model.moe.num_experts", f"must be >= 1, got {moe.num_experts}")
@@ -333,11 +350,6 @@ def check_mla(cfg: Config) -> None:
         mla.qk_rope_head_dim % 2 == 0,
         "model.mla.qk_rope_head_dim",
         f"must be even for RoPE, got {mla.qk_rope_head_dim}",
-    )
-    _check(
-        cfg.train.precision in ("fp32", "bf16"),
-        "train.precision",
-        f"{cfg.train.precision} does not quantize latent attention yet; use bf16 or model.attention_type=mha",
     )
 
 

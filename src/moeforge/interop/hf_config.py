@@ -16,9 +16,8 @@ from moeforge.config import ModelConfig, MoEConfig
 from moeforge.interop.hf_deepseek_v3 import config_from_hf_deepseek_v3, config_to_hf_deepseek_v3
 from moeforge.interop.hf_fields import as_dict as _as_dict
 from moeforge.interop.hf_fields import check_common as _check_common
-from moeforge.interop.hf_fields import common_export_fields
+from moeforge.interop.hf_fields import common_export_fields, rope_fields
 from moeforge.interop.hf_fields import require as _require
-from moeforge.interop.hf_fields import rope_theta as _rope_theta
 from moeforge.interop.hf_fields import unsupported as _unsupported
 
 #: Hugging Face ``model_type`` -> the architecture name written into ``config.json``.
@@ -124,7 +123,7 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        rope_theta=_rope_theta(d),
+        **rope_fields(d),
         qk_norm=qk_norm,
         attn_bias=attn_bias,
         norm_eps=float(d.get("rms_norm_eps", _NORM_EPS[model_type])),
@@ -156,6 +155,8 @@ def _check_exportable(cfg: ModelConfig, flavor: str) -> None:
         raise bad("model.moe.random_routing", True, "set it to false")
     if cfg.logit_softcap:
         raise bad("model.logit_softcap", cfg.logit_softcap, "these Hugging Face models do not cap logits: set it to 0")
+    if cfg.rope_scaling != "none":
+        raise bad("model.rope_scaling", cfg.rope_scaling, "YaRN is exported as deepseek_v3 or gpt_oss only")
     if flavor == "qwen2_moe":
         if not (moe.shared_expert_hidden and moe.shared_expert_gate):
             raise bad(

@@ -20,7 +20,8 @@ trade places both ways. Import takes the MTP layers when every one is there and 
 model's parts (else it logs why and leaves them out, ``mtp_depth`` 0); transformers' ``DeepseekV3ForCausalLM``
 ignores those tensors.
 
-Not carried: scaled RoPE (YaRN), which raises.
+YaRN RoPE (``rope_type: yarn``, as the released checkpoints extend their context) maps to ``model.rope_scaling:
+yarn`` and ``model.yarn``; its ``mscale_all_dim`` also scales latent attention's softmax, as transformers does.
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ from torch import Tensor
 
 from moeforge.config import MLAConfig, ModelConfig, MoEConfig
 from moeforge.interop.hf_fields import check_common as _check_common
-from moeforge.interop.hf_fields import common_export_fields
+from moeforge.interop.hf_fields import common_export_fields, rope_fields
 from moeforge.interop.hf_fields import require as _require
-from moeforge.interop.hf_fields import rope_theta as _rope_theta
 from moeforge.interop.hf_fields import unsupported as _unsupported
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def config_from_hf_deepseek_v3(d: dict[str, Any]) -> ModelConfig:
         d_model=d_model,
         n_layers=n_layers,
         n_heads=n_heads,
-        rope_theta=_rope_theta(d),
+        **rope_fields(d, yarn=True),
         norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         dense_layers=list(range(first_dense)),

@@ -8,7 +8,8 @@ gpt-oss maps onto moeforge's model with: q/k/v/o biases (``attention_bias``), a 
 Hugging Face keeps each layer's experts as ``gate_up_proj: (E, D, 2F)`` with the gate and up columns
 interleaved (gate at even, up at odd), ``gate_up_proj_bias: (E, 2F)`` interleaved the same way,
 ``down_proj: (E, F, D)`` and ``down_proj_bias: (E, D)``; moeforge's ``w1: (E, 2F, D)`` holds the gate rows then
-the up rows, ``w2: (E, D, F)``. What moeforge does not compute (YaRN RoPE, MXFP4-quantized experts, attention
+the up rows, ``w2: (E, D, F)``. YaRN RoPE (the released checkpoints': factor 32, ``truncate: false``) maps to
+``model.rope_scaling: yarn`` and ``model.yarn``. What moeforge does not compute (MXFP4-quantized experts, attention
 dropout, layer types other than sliding and full) raises one ``ValueError`` naming the field.
 """
 
@@ -20,7 +21,8 @@ import torch
 from torch import Tensor
 
 from moeforge.config import ModelConfig, MoEConfig
-from moeforge.interop.hf_config import _require, _rope_theta, _unsupported
+from moeforge.interop.hf_config import _require, _unsupported
+from moeforge.interop.hf_fields import rope_export_fields, rope_fields
 
 MODEL_TYPE = "gpt_oss"
 ARCHITECTURE = "GptOssForCausalLM"
@@ -75,7 +77,7 @@ def config_from_gpt_oss(d: dict[str, Any]) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=int(d.get("head_dim") or d_model // n_heads),
-        rope_theta=_rope_theta(d),
+        **rope_fields(d, yarn=True),
         qk_norm="none",
         attn_bias=bias,
         attn_out_bias=bias,
@@ -145,7 +147,7 @@ def config_to_gpt_oss(cfg: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **rope_export_fields(cfg),
         "use_cache": True,
     }
 

@@ -1,4 +1,4 @@
-"""Small building blocks: RMSNorm, rotary embedding tables, dense SwiGLU."""
+"""Small building blocks: RMSNorm and dense SwiGLU (the rotary tables are :mod:`moeforge.ops.rope`'s)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeforge.ops.rms_norm import rms_norm
+from moeforge.ops.rope import rope_tables
+
+__all__ = ["RMSNorm", "SwiGLU", "rope_tables"]  # rope_tables lives in moeforge.ops.rope
 
 
 class RMSNorm(nn.Module):
@@ -19,14 +22,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rope_tables(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor, Tensor]:
-    """cos/sin tables ``(T, head_dim)`` in the half-rotation layout used by Llama/OLMoE/Qwen."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
 
 
 class SwiGLU(nn.Module):

@@ -6,7 +6,7 @@ rotated ones. Keys and values come from one compressed latent: ``kv_a_proj_with_
 ``kv_lora_rank``-wide latent (normalised) and a single ``qk_rope_head_dim`` key part that every head shares
 (rotated, "decoupled RoPE"); ``kv_b_proj(latent)`` expands it into each head's position-free key and its value
 (``v_head_dim``). The softmax scale is ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``, SDPA's default for
-the concatenated query.
+the concatenated query, times YaRN's ``mscale^2`` where ``model.yarn.mscale_all_dim`` is set (applied to the query).
 
 Generation's :class:`~moeforge.model.attention.KVCache` holds what MLA is built to cache: the normalised latent
 ``(B, 1, T, kv_lora_rank)`` and the rotated shared key part ``(B, 1, T, qk_rope_head_dim)``, not the per-head
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from moeforge.config import ModelConfig
 from moeforge.model.attention import AttentionFn, KVCache
 from moeforge.model.layers import RMSNorm
-from moeforge.ops.rope import apply_rope
+from moeforge.ops.rope import apply_rope, yarn_softmax_factor
 from moeforge.ops.sdpa import sdpa
 
 
@@ -82,6 +82,7 @@ class MLAttention(nn.Module):
         self.upcast = cfg.attention_precision == "fp32"
         self.eager = cfg.attention_implementation == "eager"
         self.attention_fn: AttentionFn | None = None
+        self.softmax_factor = yarn_softmax_factor(cfg)  # DeepSeek-V3's YaRN scales the softmax, not only RoPE
 
     def _query(self, x: Tensor) -> Tensor:
         if self.q_proj is not None:
@@ -107,6 +108,8 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, H, S, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
+        if self.softmax_factor != 1.0:
+            q = q * self.softmax_factor
         if self.attention_fn is not None and cache is None:
             out = self.attention_fn(q, k, v, False)
         else:

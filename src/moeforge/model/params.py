@@ -101,6 +101,20 @@ def count_params(model: MoETransformer) -> dict[str, int]:
     }
 
 
+def largest_gathered_block(model: MoETransformer, ep: int = 1) -> int:
+    """Parameters of the biggest block with its routed experts divided by ``ep``: what FSDP2 gathers of one block
+    at once when the block's experts are a unit of their own over the ranks holding one ep shard (``ep == 1``:
+    ``count_params``'s ``largest_block``)."""
+    best = 0
+    for block in model.blocks():
+        n = 0
+        for module in block.modules():
+            for p in module.parameters(recurse=False):
+                n += p.numel() // ep if isinstance(module, GroupedExperts) else p.numel()
+        best = max(best, n)
+    return best
+
+
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """:func:`count_params` of the model ``cfg`` describes, built on the meta device (nothing allocated)."""
     if cfg.vocab_size <= 0:

@@ -11,11 +11,12 @@ from torch import Tensor, nn
 
 from moeforge.config import ModelConfig
 from moeforge.model.attention import Attention, KVCache
-from moeforge.model.layers import RMSNorm, SwiGLU, rope_tables
+from moeforge.model.layers import RMSNorm, SwiGLU
 from moeforge.model.mla import MLAttention
 from moeforge.model.moe.layer import MoELayer
 from moeforge.model.mtp import MTPModule, join_stream, mtp_loss, split_stream
 from moeforge.ops.cross_entropy import linear_cross_entropy
+from moeforge.ops.rope import model_rope_tables
 
 
 class Block(nn.Module):
@@ -95,7 +96,7 @@ class MoETransformer(nn.Module):
             positions = self.positions_fn(T, input_ids.device)
         else:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
-        cos, sin = rope_tables(self.cfg.rope_dim, positions, self.cfg.rope_theta)
+        cos, sin = model_rope_tables(self.cfg, positions)
         targets = mtp_labels if mtp_labels is not None else labels
         with_mtp = self.cfg.mtp_depth > 0 and self.training and targets is not None and cache is None
         embeds = None  # a later pipeline stage's MTP embeddings, received with the hidden states

@@ -2,11 +2,13 @@
 
 :func:`apply_low_precision` points every MoE layer's experts at
 :func:`moeforge.ops.lowp.lowp_grouped_mm` and turns the attention projections
-and the SwiGLU MLPs (dense and shared experts) into :class:`LowpLinear`, which
+(grouped-query and latent attention's) and the SwiGLU MLPs (dense and shared experts) into :class:`LowpLinear`, which
 keeps the same parameters (names, shapes, dtype: checkpoints hold the
 high-precision weights, so they move freely between precisions). The router,
 the shared-expert gate and the embeddings are never quantized; ``lm_head`` only
-with ``train.lowp_head``.
+with ``train.lowp_head``. gpt-oss's experts keep their biases and clamped SwiGLU: the grouped GEMMs are
+quantized, the bias adds and the activation between them run on the GEMMs' bf16 outputs
+(:meth:`~moeforge.model.moe.experts.GroupedExperts.forward` with ``gemm`` set).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 from moeforge.config import Config, ConfigError
 from moeforge.model.attention import Attention
 from moeforge.model.layers import SwiGLU
+from moeforge.model.mla import MLAttention
 from moeforge.model.moe.experts import GroupedExperts
 from moeforge.ops.lowp import RECIPES, LowpSpec, has_torchao, lowp_grouped_mm, lowp_linear, make_spec
 
@@ -48,7 +51,7 @@ def lowp_linear_names(model: nn.Module, head: bool = False) -> list[str]:
     """Qualified names of the linears :func:`apply_low_precision` quantizes."""
     out = []
     for name, module in model.named_modules():
-        if isinstance(module, (Attention, SwiGLU)):
+        if isinstance(module, (Attention, MLAttention, SwiGLU)):
             out += [f"{name}.{child}" for child, sub in module.named_children() if isinstance(sub, nn.Linear)]
     if head and isinstance(getattr(model, "lm_head", None), nn.Linear):
         out.append("lm_head")

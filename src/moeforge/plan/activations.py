@@ -16,6 +16,36 @@ def _route_factor(cfg: Config) -> float:
     return cfg.model.moe.capacity_factor if cfg.model.moe.dispatcher == "rowwise" else 1.0
 
 
+def mla_attention_bytes(cfg: Config, a: int) -> float:
+    """Bytes latent attention (``model.attention_type: mla``) keeps per token and layer at ``a`` bytes an element,
+    as measured with saved-tensor hooks: the input norm (``2 d`` and an fp32 scale), the query compression's
+    norm input and output (``2 q_lora_rank`` and a scale), ``kv_a_proj_with_mqa``'s output (the norm's input,
+    ``kv_lora_rank + qk_rope_head_dim``) and the normalised latent (``kv_lora_rank``, a scale), then per head the
+    query and key (``2 (nope + rope)``), ``kv_b_proj``'s output (``nope + v``), SDPA's output and ``o_proj``'s
+    input (``2 v``) and the fp32 log-sum-exp; under autocast also the fp32 residual and one more bf16 copy of
+    the normalised input (each of the two projections reading it casts its own)."""
+    m, mla = cfg.model, cfg.model.mla
+    d, h = m.d_model, m.n_heads
+    rope, nope, v = mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.v_head_dim
+    out = a * 2 * d + 4 + a * (2 * mla.kv_lora_rank + rope) + 4
+    out += a * 2 * mla.q_lora_rank + 4 if mla.q_lora_rank else 0
+    out += a * h * (2 * (nope + rope) + nope + 3 * v) + 4 * h
+    if a == 2 and cfg.train.param_dtype == "fp32":
+        out += a * d
+    return float(out)
+
+
+def _mtp_bytes(cfg: Config, tokens: int, a: int, block: float) -> float:
+    """The multi-token-prediction modules' saved bytes (never checkpointed; tp = cp = 1): module ``k`` runs on
+    ``seq - k`` of each sequence's positions, keeping two norms' inputs and ``eh_proj``'s concatenated input
+    (``4 d``), one block (``block`` bytes a token) and its head: the final norm and, unless the loss is fused,
+    the fp32 logits the cross-entropy reads (``mtp_loss`` upcasts them)."""
+    m, seq = cfg.model, cfg.data.seq_len
+    head = a * 2 * m.d_model + (0 if m.loss_implementation == "fused_linear" else 4 * m.vocab_size)
+    per_token = a * 4 * m.d_model + block + head
+    return sum(tokens * max(seq - k, 0) / seq * per_token for k in range(1, m.mtp_depth + 1))
+
+
 def activation_bytes(cfg: Config) -> dict[str, float]:
     """Activation memory of one micro-batch, without and with full activation checkpointing.
 
@@ -40,6 +70,9 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
       states' gradient (``d``, in place of ``lm_head``'s input) and, once per micro-batch, the head
       weight's fp32 gradient (``4 V d`` bytes) instead; ``auto`` is planned as on a GPU, where it means
       the logits.
+
+    Latent attention's block is :func:`mla_attention_bytes`. The multi-token-prediction modules
+    (``model.mtp_depth``) are never checkpointed: :func:`_mtp_bytes` counts them in every mode.
 
     Under context parallelism (``parallel.cp > 1``) ``tokens`` are this rank's ``seq / cp`` of every sequence
     and ring attention saves what SDPA saves of them (no other rank's keys); one layer at a time its backward
@@ -70,6 +103,8 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
     qk = m.qk_norm != "none"
     per_head = (12 if qk else 8) if a == 4 else (7 if qk else 5)
     attn = a * 2 * d * s + g + per_head * (h + kv) * hd * s
+    if m.attention_type == "mla":  # tp = cp = 1 (validated)
+        attn = mla_attention_bytes(cfg, a)
     if m.attention_implementation == "eager":  # planned when set; auto is planned as on a GPU (SDPA)
         # P (its causal spans' rows x keys per head and sequence) in place of SDPA's fp32 log-sum-exp
         seq = cfg.data.seq_len
@@ -92,11 +127,14 @@ def activation_bytes(cfg: Config) -> dict[str, float]:
         ring = 2 * 2 * kv * hd * a + 3 * 2 * kv * hd * 4 + 4 * h * hd
         full, checkpointed = full + tokens * ring, checkpointed + tokens * ring
     saved_full = tokens * (m.n_layers * a * d * s + head)
+    mtp = _mtp_bytes(cfg, tokens, a, attn + moe_ffn)
+    full, checkpointed, saved_full = full + mtp, checkpointed + mtp, saved_full + mtp
     if fused:  # the head weight's fp32 gradient, summed over the chunks in the loss's forward
         full, checkpointed, saved_full = (x + 4 * m.vocab_size * d for x in (full, checkpointed, saved_full))
     # selective: the attention norm's input and output stay (its output is the checkpoint's input)
     saved_selective = tokens * (m.n_layers * a * 3 * d * s + n_moe * moe_ffn + n_dense * a * d * s + head)
     saved_selective += 4 * m.vocab_size * d if fused else 0
+    saved_selective += mtp
     if a == 2 and cfg.train.param_dtype == "fp32":  # autocast keeps one bf16 copy of each matmul weight
         counts = param_counts(m)
         ep = cfg.parallel.ep if cfg.parallel.stack == "ddp" else 1

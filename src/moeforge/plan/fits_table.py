@@ -12,7 +12,7 @@ from pathlib import Path
 from moeforge.config import load_config
 from moeforge.plan.planner import make_plan
 
-PRESETS = ("olmoe-1b-7b", "moe-4.6b", "moe-47b", "moe-1.2t")
+PRESETS = ("olmoe-1b-7b", "moe-4.6b", "moe-47b", "moe-1.2t", "deepseek-v3-671b", "gpt-oss-120b")
 WORLDS = (8, 64, 512)
 MEM_GB = 180.0
 COMMAND = "python -m moeforge.plan.fits_table"

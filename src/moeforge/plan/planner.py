@@ -10,7 +10,8 @@ fp32 master 4 in bf16 only + two fp32 Adam moments 8):
 
 - fsdp (dp=N): dense weights ``P_d b_w / N``, each ep rank's experts ``P_e / ep``
   sharded over its ``N / ep`` ranks, plus two unsharded blocks (current +
-  prefetched); gradients the same shards plus one unsharded block, optimizer
+  prefetched; with ep > 1 a block's experts are their own unit, so a gathered
+  block holds ``E / ep`` of them); gradients the same shards plus one unsharded block, optimizer
   state per shard. Each micro-batch all-gathers the weights twice (forward, and
   again in backward after resharding) and reduce-scatters the gradients; with
   ep > 1 the tokens' all-to-alls as for ddp.
@@ -50,8 +51,12 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from moeforge.config import Config, ConfigError, load_config
 from moeforge.config.validation import check_ep, check_tp
+from moeforge.model import MoETransformer
+from moeforge.model.params import largest_gathered_block
 from moeforge.parallel.memory import predict_state
 from moeforge.parallel.tensor.parallelize import tensor_parallel_numel
 from moeforge.plan.activations import _route_factor, activation_bytes
@@ -128,7 +133,7 @@ def plan_layout(cfg: Config, stats: dict[str, int], stack: str, ep: int, world: 
     rows = tokens / tp * moe.top_k * _route_factor(cfg) * cfg.model.d_model * a
     comm["all_to_all"] = ga * stats["moe_layers"] * 4 * _gather(rows, ep)
     if stack == "fsdp":  # dense weights sharded over the data ranks, each ep rank's experts over its edp ranks
-        block = stats["largest_block"]
+        block = stats.get(f"gathered_block_ep{ep}", stats["largest_block"])  # with ep > 1: the block's E/ep experts
         shard = (total - expert) / data + expert / ep / edp
         weights = shard * 4 + (2 * block * b_w if world > 1 else 0)
         grads = shard * 4 + (block * b_w if world > 1 else 0)
@@ -212,6 +217,10 @@ def make_plan(cfg: Config, world: int, device: str = "h200", mem_gb: float | Non
         if world % tp:
             raise ConfigError(f"parallel.tp: must divide --world ({world}), got {tp}")
     stats = meta_param_stats(cfg)
+    with torch.device("meta"):
+        meta = MoETransformer(cfg.model)
+    for _, ep in valid_layouts(cfg, world):
+        stats[f"gathered_block_ep{ep}"] = largest_gathered_block(meta, ep)
     if tp > 1:
         stats["tp_sharded"] = tensor_parallel_numel(cfg.model)
     seq = cfg.data.seq_len
