@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from moeforge.model.moe.experts import local_tensor
 from moeforge.parallel.data_parallel.ddp import DDPStack
+from moeforge.parallel.data_parallel.state_prediction import predict_state
 from moeforge.parallel.stack import TrainingStack
-from moeforge.parallel.state_prediction import predict_state
 
 __all__ = ["STATE_KEYS", "SavedTensorMeter", "measure_state", "predict_state"]
 
