@@ -32,6 +32,17 @@ def write_corpus(root: Path, n_docs: int = 6, words_per_doc: int = 3000, seed: i
     return paths
 
 
+#: tiny multi-head latent attention (q and kv compression to 16, 12-wide queries and keys, 8-wide values)
+MLA_ARGS = [
+    "--model.attention_type=mla",
+    "--model.mla.q_lora_rank=16",
+    "--model.mla.kv_lora_rank=16",
+    "--model.mla.qk_nope_head_dim=8",
+    "--model.mla.qk_rope_head_dim=4",
+    "--model.mla.v_head_dim=8",
+]
+
+
 def tiny_config(tmp: Path, *overrides: str) -> Config:
     """A config that trains in seconds on the synthetic corpus."""
     sources = write_corpus(tmp / "corpus")

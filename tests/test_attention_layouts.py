@@ -42,6 +42,8 @@ from tests.test_composition import _train as train_layouts
 from tests.test_gpt_oss import reference_attention
 from tests.test_tensor_parallel import full_params
 
+from .helpers import MLA_ARGS
+
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 64, 16, 4, 2, 3  # cp=2: chunks of SEQ / 4 = 4 tokens
 
 
@@ -228,14 +230,6 @@ def test_latent_and_gpt_oss_attention_match_one_process_at_tp2_and_cp2() -> None
     run_distributed_test(_two_ranks, 2)
 
 
-MLA_ARGS = [
-    "--model.attention_type=mla",
-    "--model.mla.q_lora_rank=16",
-    "--model.mla.kv_lora_rank=16",
-    "--model.mla.qk_nope_head_dim=8",
-    "--model.mla.qk_rope_head_dim=4",
-    "--model.mla.v_head_dim=8",
-]
 GPT_OSS_ARGS = [
     "--model.n_kv_heads=2",
     "--model.attn_bias=true",

@@ -29,11 +29,14 @@ from moeforge.bench.report import (
 )
 from moeforge.bench.worker import take_batches
 from moeforge.cli import main
+from moeforge.config import load_config, validate_config
 from moeforge.data import ShardedLoader, TokenWindows, prepare_data
 from moeforge.data.meta import load_meta
 from moeforge.train.environment import ENV_KEYS, collect_env
 
 from .helpers import tiny_config, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench_config(tmp: Path) -> Path:
@@ -219,6 +222,11 @@ def test_variants_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert [v.name for v in comparison_variants("overlap", 2, 2)] == overlap
     ep_overlap = ["ddp+ep2", "ddp+ep2+a2a_chunks2", "ddp+ep2+a2a_chunks4"]
     assert [v.name for v in comparison_variants("ep_overlap", 2, 2)] == ep_overlap
+    limited = comparison_variants("node_limited", 4, 4)
+    assert [v.name for v in limited] == ["ddp+ep4+any_rank", "ddp+ep4+ranks2"]
+    assert [o for o in limited[1].overrides if "groups" in o] == ["--model.moe.n_groups=4", "--model.moe.topk_groups=2"]
+    for v in limited:  # the bench's default config takes both
+        validate_config(load_config(ROOT / "configs" / "bench" / "stacks.yaml", v.overrides), world_size=4)
     sweep = sweep_variants("num_experts=8,32,128", 2)
     assert (sweep[0].name, sweep[0].overrides, len(sweep)) == ("E=8", ["--model.moe.num_experts=8"], 3)
     custom = parse_variant("one: --parallel.stack=ddp --nproc=1", 2)

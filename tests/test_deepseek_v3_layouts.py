@@ -9,15 +9,10 @@ from moeforge.testing import run_distributed_test
 from moeforge.train.metrics import read_metrics
 from moeforge.train.trainer import Trainer
 
-from .helpers import tiny_config
+from .helpers import MLA_ARGS, tiny_config
 
 DEEPSEEK = [
-    "--model.attention_type=mla",
-    "--model.mla.q_lora_rank=16",
-    "--model.mla.kv_lora_rank=16",
-    "--model.mla.qk_nope_head_dim=8",
-    "--model.mla.qk_rope_head_dim=4",
-    "--model.mla.v_head_dim=8",
+    *MLA_ARGS,
     "--model.mtp_depth=1",
     "--model.dense_layers=[0]",
     "--model.moe.score_func=sigmoid",

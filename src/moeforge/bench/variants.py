@@ -20,6 +20,7 @@ COMPARISONS = (
     "ep_overlap",
     "precision",
     "routing",
+    "node_limited",
     "pipeline",
     "tensor",
     "context",
@@ -34,6 +35,7 @@ DEFAULT_CONFIGS = {
     "ep_overlap": "stacks.yaml",
     "precision": "stacks.yaml",
     "routing": "stacks.yaml",
+    "node_limited": "stacks.yaml",
     "pipeline": "stacks.yaml",
     "hf": "hf.yaml",
     "hf_layer": "hf.yaml",
@@ -112,6 +114,13 @@ def comparison_variants(kind: str, nproc: int, ep: int, fp8: bool = False) -> li
         return [
             Variant(f"{base}+learned", nproc, [*ddp, "--model.moe.random_routing=false"]),
             Variant(f"{base}+random", nproc, [*ddp, "--model.moe.random_routing=true"]),
+        ]
+    if kind == "node_limited":  # DeepSeek-V3's group-limited routing, one group per ep rank: a token reaches <= M
+        groups = [*ddp, "--model.moe.score_func=sigmoid", f"--model.moe.n_groups={ep}"]
+        m = max(1, ep // 2)
+        return [
+            Variant(f"{base}+any_rank", nproc, [*groups, f"--model.moe.topk_groups={ep}"]),
+            Variant(f"{base}+ranks{m}", nproc, [*groups, f"--model.moe.topk_groups={m}"]),
         ]
     if kind == "pipeline":  # pp=1 (dp = nproc) against pp=2 with each schedule, the same global batches
         pp2 = ["--parallel.stack=ddp", "--parallel.ep=1", "--parallel.pp=2"]
