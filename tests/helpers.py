@@ -113,3 +113,16 @@ class CapturedWarnings(logging.Handler):
 
     def __exit__(self, *exc: object) -> None:
         self.logger.removeHandler(self)
+
+
+def write_plan_config(tmp: Path) -> Path:
+    """A tiny ep=2 config file for ``moeforge plan`` commands (no data: the vocabulary is set)."""
+    config = tmp / "tiny.yaml"
+    config.write_text(
+        "model: {vocab_size: 300, d_model: 32, n_layers: 2, n_heads: 4, dense_hidden: 64, max_seq_len: 64,\n"
+        "        moe: {num_experts: 4, top_k: 2, expert_hidden: 32}}\n"
+        "data: {seq_len: 32}\n"
+        f"train: {{global_batch_size: 8, micro_batch_size: 2, run_dir: {tmp / 'run'}}}\n"
+        "parallel: {ep: 2}\n"
+    )
+    return config

@@ -17,7 +17,7 @@ from moeforge.plan.planner import make_plan
 from moeforge.testing import run_distributed_test
 from moeforge.train.trainer import Trainer
 
-from .helpers import tiny_config
+from .helpers import tiny_config, write_plan_config
 
 NO_PAD = [
     "--model.moe.cpu_group_align=1",
@@ -218,14 +218,7 @@ def test_presets_dry_run_at_scale_and_equal_the_planner() -> None:
 def test_the_command_reports_and_exits_2_with_one_line_when_it_does_not_fit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
-        "model: {vocab_size: 300, d_model: 32, n_layers: 2, n_heads: 4, dense_hidden: 64, max_seq_len: 64,\n"
-        "        moe: {num_experts: 4, top_k: 2, expert_hidden: 32}}\n"
-        "data: {seq_len: 32}\n"
-        f"train: {{global_batch_size: 8, micro_batch_size: 2, run_dir: {tmp_path / 'run'}}}\n"
-        "parallel: {ep: 2}\n"
-    )
+    config = write_plan_config(tmp_path)
     plan = ["plan", str(config), "--world", "2", "--dry-run"]
     assert main([*plan, "--mem-gb", "1"]) == 0
     out = capsys.readouterr().out

@@ -13,6 +13,8 @@ from moeforge.plan.flops import flops_per_token
 from moeforge.plan.hardware import HARDWARE, Hardware, get_hardware, parse_overlap
 from moeforge.plan.step_time import op_kind, predict_step_time, step_work
 
+from .helpers import write_plan_config
+
 PRESET_47B = Path(__file__).resolve().parents[1] / "configs" / "presets" / "moe-47b.yaml"
 
 # two nodes of 4 GPUs: 100 TFLOP/s at half efficiency, NVLink 100 GB/s, network 10 GB/s, 10 us per call
@@ -105,14 +107,7 @@ def test_step_work_counts_the_recompute_of_full_checkpointing() -> None:
 def test_the_dry_run_command_prints_and_writes_the_prediction(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
-        "model: {vocab_size: 300, d_model: 32, n_layers: 2, n_heads: 4, dense_hidden: 64, max_seq_len: 64,\n"
-        "        moe: {num_experts: 4, top_k: 2, expert_hidden: 32}}\n"
-        "data: {seq_len: 32}\n"
-        f"train: {{global_batch_size: 8, micro_batch_size: 2, run_dir: {tmp_path / 'run'}}}\n"
-        "parallel: {ep: 2}\n"
-    )
+    config = write_plan_config(tmp_path)
     plan = ["plan", str(config), "--world", "2", "--dry-run", "--mem-gb", "1", "--hardware", "h100"]
     assert main([*plan, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
