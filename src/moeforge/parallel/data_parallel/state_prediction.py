@@ -93,12 +93,7 @@ def _predict_ddp(cfg: Config, world: int, rank: int, shapes: list[Shape]) -> dic
     entries = rank_entries(cfg, world, rank, shapes)
     if world == 1 and cfg.train.param_dtype == "fp32":  # the LocalStack: torch AdamW
         params = sum(e[1] for e in entries) * elt
-        return {
-            "params_bytes": params,
-            "grads_bytes": params,
-            "master_bytes": 0,
-            "optim_bytes": 2 * params + 4 * len(entries),
-        }
+        return _state(params, params, 0, 2 * params + 4 * len(entries))
     sizes = group_sizes(cfg, world)
     ep = p.ep if world > 1 else 1
     kinds = [
@@ -136,12 +131,7 @@ def _predict_fsdp(cfg: Config, world: int, rank: int, shapes: list[Shape]) -> di
             local += chunk_rows(rows // p.ep, data // p.ep, r // p.ep) * per_row
         else:
             local += chunk_rows(rows, data, r) * per_row
-    return {
-        "params_bytes": 4 * local,
-        "grads_bytes": 4 * local,
-        "master_bytes": 0,
-        "optim_bytes": 8 * local + 4 * count,
-    }
+    return _state(4 * local, 4 * local, 0, 8 * local + 4 * count)
 
 
 def predict_state(cfg: Config, world: int) -> list[dict[str, int]]:
